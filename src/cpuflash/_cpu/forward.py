@@ -1,0 +1,132 @@
+"""Forward pass: prange over (batch*head, q-block); K/V streamed in packed tiles.
+
+For one block of ``block_q`` query rows, with ``Q`` pre-multiplied by ``scale * log2(e)`` so
+scores are in base-2 units:
+
+    m = -inf, l = 0, acc = 0                        # per row: running max, sum, output
+    for each key tile the block can see:
+        S   = Q @ K_tile^T                          # (block_q, block_k), in L1/L2
+        S   = -inf where masked                     # only on tiles that cross a mask edge
+        m'  = max(m, rowmax(S))
+        P   = 2^(S - m');  alpha = 2^(m - m')
+        l   = alpha * l + rowsum(P)
+        acc = alpha * acc + P @ V_tile
+    out = acc / l;  lse = ln(2) * (m + log2(l))
+
+Never built in full: the (Nq, Nk) score matrix. Scratch per task is O(block_q * (D + block_k +
+Dv)). Every task writes only its own rows of ``out``/``lse``, so the result is bitwise the same
+for any thread count.
+
+Masks: ``tile_key_range`` gives the key tiles a query block can see at all (tiles outside are
+skipped, never computed); ``tile_needs_mask`` tells whether a visible tile crosses a mask edge,
+and only then ``mask_tile`` sets scores to ``-inf`` element by element. Later masks (window,
+kv_lens, bool/float masks, ALiBi, softcap, dropout) slot into these three functions.
+"""
+import math
+
+import numpy as np
+from numba import prange
+
+from ._jit import helper, kernel
+from .tiles import exp2_shifted_sum, row_max, scale_row, tile_product
+
+LN2 = math.log(2.0)
+
+
+@helper
+def tile_key_range(q0, q1, n_q, n_k, block_k, causal):
+    """Key tiles ``[kb_lo, kb_hi)`` that rows ``[q0, q1)`` may see (bottom-right causal)."""
+    n_blocks = (n_k + block_k - 1) // block_k
+    if not causal:
+        return 0, n_blocks
+    last_key = q1 - 1 + n_k - n_q  # the last row sees keys j <= last_key
+    if last_key < 0:
+        return 0, 0
+    return 0, min(n_blocks, last_key // block_k + 1)
+
+
+@helper
+def tile_needs_mask(q0, k0, block_k, n_q, n_k, causal):
+    """Whether some score in the tile at keys ``[k0, k0+block_k)`` must be masked."""
+    if k0 + block_k > n_k:  # padding keys in the last tile
+        return True
+    return causal and k0 + block_k - 1 > q0 + n_k - n_q
+
+
+@helper
+def mask_tile(s, ld, rows, q0, k0, block_k, n_q, n_k, causal):
+    """Set masked scores of the tile to ``-inf``: padding keys, and keys above the diagonal."""
+    offset = n_k - n_q
+    for r in range(rows):
+        last = n_k - 1
+        if causal:
+            last = min(last, q0 + r + offset)
+        first_masked = max(0, last - k0 + 1)
+        for j in range(first_masked, block_k):
+            s[r * ld + j] = -np.inf
+
+
+@kernel
+def forward(q, kt, vt, block_q, scale2, causal, n_k, portable, out, lse):
+    """Attention forward on packed K/V.
+
+    q: (B, Hq, Nq, D) any strides, float32/float64. kt, vt: from ``pack.packed_kv``.
+    block_q: a multiple of the micro-tile rows. scale2: ``scale * log2(e)``. out: (B, Hq, Nq, dv) contiguous. lse: (B, Hq, Nq), natural log.
+    """
+    n_b, n_hq, n_q, d = q.shape
+    dv = out.shape[3]
+    n_hkv = kt.shape[0] // n_b
+    group = n_hq // n_hkv
+    block_k = kt.shape[3]
+    dv_pad = vt.shape[3]
+    n_qb = (n_q + block_q - 1) // block_q
+    kt_flat = kt.reshape(-1)
+    vt_flat = vt.reshape(-1)
+    tile_k = d * block_k
+    tile_v = block_k * dv_pad
+    for task in prange(n_b * n_hq * n_qb):
+        bh, qb = divmod(np.int64(task), n_qb)
+        b, h = divmod(bh, n_hq)
+        bh_kv = b * n_hkv + h // group
+        q0 = qb * block_q
+        rows = min(block_q, n_q - q0)
+        q_s = np.zeros(block_q * d, dtype=out.dtype)   # Q block, scaled to base-2 units
+        s = np.empty(block_q * block_k, dtype=out.dtype)  # scores, then probabilities
+        acc = np.zeros(block_q * dv_pad, dtype=out.dtype)
+        m_i = np.full(block_q, -np.inf, dtype=out.dtype)
+        l_i = np.zeros(block_q, dtype=out.dtype)
+        for r in range(rows):
+            for dd in range(d):
+                q_s[r * d + dd] = q[b, h, q0 + r, dd] * scale2
+        kb_lo, kb_hi = tile_key_range(q0, q0 + rows, n_q, n_k, block_k, causal)
+        for kb in range(kb_lo, kb_hi):
+            k0 = kb * block_k
+            tile_product(s, 0, block_k, q_s, 0, d, kt_flat, (bh_kv * kt.shape[1] + kb) * tile_k,
+                         block_k, block_q, block_k, d, False, portable)
+            if tile_needs_mask(q0, k0, block_k, n_q, n_k, causal):
+                mask_tile(s, block_k, rows, q0, k0, block_k, n_q, n_k, causal)
+            for r in range(block_q):
+                m_new = max(m_i[r], row_max(s, r * block_k, block_k, portable))
+                # A row that has seen only masked keys keeps m = -inf; shift by 0 then, so
+                # 2^(-inf - shift) is 0 and never -inf - (-inf) = NaN.
+                shift = m_new if m_new > -np.inf else 0.0
+                alpha = np.exp2(m_i[r] - shift)  # max rose: rescale earlier terms
+                row_sum = exp2_shifted_sum(s, r * block_k, block_k, shift, portable)
+                l_i[r] = alpha * l_i[r] + row_sum
+                m_i[r] = m_new
+                if alpha != 1.0:
+                    scale_row(acc, r * dv_pad, dv_pad, alpha, portable)
+            n_valid = min(block_k, n_k - k0)  # padding keys have P = 0: skip their rows of V
+            tile_product(acc, 0, dv_pad, s, 0, block_k, vt_flat,
+                         (bh_kv * vt.shape[1] + kb) * tile_v, dv_pad, block_q, dv_pad, n_valid,
+                         True, portable)
+        for r in range(rows):
+            if l_i[r] == 0.0:  # the row sees no key: output 0, lse -inf
+                for c in range(dv):
+                    out[b, h, q0 + r, c] = 0.0
+                lse[b, h, q0 + r] = -np.inf
+            else:
+                inv_l = 1.0 / l_i[r]
+                for c in range(dv):
+                    out[b, h, q0 + r, c] = acc[r * dv_pad + c] * inv_l
+                lse[b, h, q0 + r] = (m_i[r] + np.log2(l_i[r])) * LN2

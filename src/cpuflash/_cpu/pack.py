@@ -1,0 +1,67 @@
+"""Packing K and V into contiguous, zero-padded tiles, once per call, in parallel.
+
+* ``kt[bh, kb, d, j] = k[b, h, kb*block_k + j, d]``: each key tile transposed to ``(D, block_k)``
+  so the score product reads unit-stride rows of keys.
+* ``vt[bh, kb, j, c] = v[b, h, kb*block_k + j, c]``: each value tile ``(block_k, Dv_pad)``, the
+  value width padded to whole vectors.
+
+Keys past ``Nk`` and columns past ``Dv`` are zero. Inputs may have any strides (transposed or
+broadcast views) and are read once; the packed copies are O(N), like the inputs.
+"""
+import numpy as np
+from numba import prange
+
+from ._jit import kernel
+
+
+@kernel
+def pack_keys_transposed(k, block_k, kt):
+    """``k``: (B, H, Nk, D) any strides. ``kt``: (B*H, n_blocks, D, block_k), contiguous."""
+    n_b, n_h, n_k, d = k.shape
+    n_blocks = kt.shape[1]
+    for task in prange(n_b * n_h * n_blocks):
+        bh, kb = divmod(np.int64(task), n_blocks)
+        b, h = divmod(bh, n_h)
+        j0 = kb * block_k
+        n_valid = min(block_k, n_k - j0)
+        for j in range(n_valid):
+            for dd in range(d):
+                kt[bh, kb, dd, j] = k[b, h, j0 + j, dd]
+        for dd in range(d):
+            for j in range(n_valid, block_k):
+                kt[bh, kb, dd, j] = 0.0
+
+
+@kernel
+def pack_values(v, block_k, vt):
+    """``v``: (B, H, Nk, Dv) any strides. ``vt``: (B*H, n_blocks, block_k, Dv_pad), contiguous."""
+    n_b, n_h, n_k, dv = v.shape
+    n_blocks, dv_pad = vt.shape[1], vt.shape[3]
+    for task in prange(n_b * n_h * n_blocks):
+        bh, kb = divmod(np.int64(task), n_blocks)
+        b, h = divmod(bh, n_h)
+        j0 = kb * block_k
+        for j in range(block_k):
+            if j0 + j < n_k:
+                for c in range(dv):
+                    vt[bh, kb, j, c] = v[b, h, j0 + j, c]
+                for c in range(dv, dv_pad):
+                    vt[bh, kb, j, c] = 0.0
+            else:
+                for c in range(dv_pad):
+                    vt[bh, kb, j, c] = 0.0
+
+
+def packed_kv(k, v, block_k, lanes):
+    """Pack (B, H, Nk, D) keys and (B, H, Nk, Dv) values; returns (kt, vt) as above."""
+    n_b, n_h, n_k, d = k.shape
+    dv = v.shape[3]
+    n_blocks = max(1, -(-n_k // block_k))
+    dv_pad = -(-dv // lanes) * lanes
+    kt = np.empty((n_b * n_h, n_blocks, d, block_k), dtype=k.dtype)
+    vt = np.empty((n_b * n_h, n_blocks, block_k, dv_pad), dtype=v.dtype)
+    if kt.size:
+        pack_keys_transposed(k, block_k, kt)
+    if vt.size:
+        pack_values(v, block_k, vt)
+    return kt, vt

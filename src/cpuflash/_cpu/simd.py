@@ -1,0 +1,331 @@
+"""SIMD building blocks written as LLVM vector IR through ``numba.extending.intrinsic``.
+
+Numba does not turn plain loops into register-blocked code (SLP vectorization is off) and has
+no vector ``exp``. These intrinsics give the kernels explicit vectors of the host's SIMD width:
+
+* ``gemm_tile``: ``C[MR, NV*W] (+)= A[MR, K] @ B[K, NV*W]``; all ``MR*NV`` accumulators live in
+  vector registers while ``K`` streams (one broadcast of an ``A`` element times ``NV`` contiguous
+  vectors of a ``B`` row per step). Both tile products of attention have this shape:
+  ``S = Q @ K^T`` (with K packed as ``(D, Bk)`` tiles) and ``acc += P @ V``.
+* ``vload``/``vstore``/``vsplat``/``vmax``/``vexp2``/... for the row softmax.
+
+LLVM's generic vector types lower to AVX-512, AVX2 or NEON as the host has them. The vector
+width is a property of the host (``config.VECTOR_BYTES``), so Numba's cache, which is keyed on
+the CPU name and features, stays valid.
+"""
+import math
+
+from llvmlite import ir
+from numba.core import cgutils, types
+from numba.extending import intrinsic, models, register_model
+
+from .. import config
+
+
+class Vec(types.Type):
+    """A SIMD vector of ``width`` lanes of ``dtype`` (float32 or float64)."""
+
+    def __init__(self, dtype, width):
+        self.dtype = dtype
+        self.width = width
+        super().__init__(name=f"Vec({dtype}x{width})")
+
+
+@register_model(Vec)
+class _VecModel(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type):
+        lltype = ir.VectorType(dmm.lookup(fe_type.dtype).get_value_type(), fe_type.width)
+        super().__init__(dmm, fe_type, lltype)
+
+
+def lanes(dtype):
+    """Lanes of one vector register for a float dtype (a Numba type)."""
+    return config.VECTOR_BYTES * 8 // dtype.bitwidth
+
+
+def _vec_of(arrty):
+    if not isinstance(arrty, types.Array) or arrty.dtype not in (types.float32, types.float64):
+        return None
+    return Vec(arrty.dtype, lanes(arrty.dtype))
+
+
+def _elem_ptr(context, builder, arrty, arr, index):
+    data = context.make_array(arrty)(context, builder, arr).data
+    return builder.gep(data, [index])
+
+
+def _fma(builder, a, b, c):
+    """``a * b + c`` rounded once, on vectors (llvmlite's ``builder.fma`` takes scalars only)."""
+    return builder.call(_vector_intrinsic(builder, "llvm.fma", a.type, 3), [a, b, c])
+
+
+def _vector_intrinsic(builder, name, vty, n_args):
+    """Declare an overloaded LLVM intrinsic such as ``llvm.fma.v16f32`` for a vector type."""
+    elem = "f32" if isinstance(vty.element, ir.FloatType) else "f64"
+    fnty = ir.FunctionType(vty, [vty] * n_args)
+    return cgutils.get_or_insert_function(builder.module, fnty, f"{name}.v{vty.count}{elem}")
+
+
+def _vec_ptr(builder, ptr, vty):
+    return builder.bitcast(ptr, vty.as_pointer())
+
+
+# ---------------------------------------------------------------------------------------------
+# element-wise vector ops
+
+
+@intrinsic
+def vload(typingctx, arr, index):
+    """Load ``W`` lanes from ``arr.flat[index:index+W]`` (``arr`` must be contiguous)."""
+    vt = _vec_of(arr)
+    if vt is None:
+        return None
+
+    def codegen(context, builder, sig, args):
+        ptr = _elem_ptr(context, builder, sig.args[0], args[0], args[1])
+        lvt = context.get_value_type(vt)
+        return builder.load(_vec_ptr(builder, ptr, lvt), align=sig.args[0].dtype.bitwidth // 8)
+
+    return vt(arr, types.intp), codegen
+
+
+@intrinsic
+def vstore(typingctx, arr, index, vec):
+    """Store ``vec`` to ``arr.flat[index:index+W]``."""
+    if _vec_of(arr) != vec:
+        return None
+
+    def codegen(context, builder, sig, args):
+        ptr = _elem_ptr(context, builder, sig.args[0], args[0], args[1])
+        lvt = context.get_value_type(vec)
+        builder.store(args[2], _vec_ptr(builder, ptr, lvt), align=sig.args[0].dtype.bitwidth // 8)
+        return context.get_dummy_value()
+
+    return types.void(arr, types.intp, vec), codegen
+
+
+def _splat(builder, value, lvt):
+    undef = ir.Constant(lvt, ir.Undefined)
+    one = builder.insert_element(undef, value, ir.Constant(ir.IntType(32), 0))
+    mask = ir.Constant(ir.VectorType(ir.IntType(32), lvt.count), [0] * lvt.count)
+    return builder.shuffle_vector(one, undef, mask)
+
+
+@intrinsic
+def vsplat(typingctx, arr, value):
+    """A vector of ``arr``'s element type with every lane ``value`` (``arr`` only gives the type)."""
+    vt = _vec_of(arr)
+    if vt is None:
+        return None
+
+    def codegen(context, builder, sig, args):
+        x = context.cast(builder, args[1], sig.args[1], vt.dtype)
+        return _splat(builder, x, context.get_value_type(vt))
+
+    return vt(arr, vt.dtype), codegen
+
+
+def _binary(op):
+    @intrinsic
+    def _op(typingctx, a, b):
+        if not isinstance(a, Vec) or a != b:
+            return None
+
+        def codegen(context, builder, sig, args):
+            return op(builder, *args)
+
+        return a(a, b), codegen
+
+    return _op
+
+
+vadd = _binary(lambda b, x, y: b.fadd(x, y))
+vsub = _binary(lambda b, x, y: b.fsub(x, y))
+vmul = _binary(lambda b, x, y: b.fmul(x, y))
+# max that lets a NaN in ``y`` through (``x > y`` is false for NaN): call it as vmax(m, s).
+vmax = _binary(lambda b, x, y: b.select(b.fcmp_ordered(">", x, y), x, y))
+
+
+@intrinsic
+def vfma(typingctx, a, b, c):
+    """``a * b + c`` with one rounding."""
+    if not isinstance(a, Vec) or not (a == b == c):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return _fma(builder, *args)
+
+    return a(a, b, c), codegen
+
+
+def _tree_reduce(builder, vec, combine):
+    """Pairwise halving reduction: a fixed order, so the result never depends on anything else."""
+    n = vec.type.count
+    while n > 1:
+        half = n // 2
+        i32 = ir.IntType(32)
+        lo = builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(i32, half), list(range(half))))
+        hi = builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(i32, half), list(range(half, n))))
+        vec = combine(builder, lo, hi)
+        n = half
+    return builder.extract_element(vec, ir.Constant(ir.IntType(32), 0))
+
+
+@intrinsic
+def vhsum(typingctx, v):
+    """Sum of the lanes of ``v``."""
+    if not isinstance(v, Vec):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return _tree_reduce(builder, args[0], lambda b, x, y: b.fadd(x, y))
+
+    return v.dtype(v), codegen
+
+
+@intrinsic
+def vhmax(typingctx, v):
+    """Max of the lanes of ``v`` (NaN lanes are passed over, as by ``vmax``)."""
+    if not isinstance(v, Vec):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return _tree_reduce(builder, args[0],
+                            lambda b, x, y: b.select(b.fcmp_ordered(">", x, y), x, y))
+
+    return v.dtype(v), codegen
+
+
+# ---------------------------------------------------------------------------------------------
+# exp2
+#
+# 2^x = 2^n * 2^f with n = round(x), f = x - n in [-0.5, 0.5]; 2^f by a polynomial, 2^n built
+# in the exponent bits. x is clamped below at the smallest normal exponent, where 2^n is
+# built as the bit pattern 0: exp2(-inf) is exactly 0 (masked scores vanish), and values
+# below 2^-126 flush to 0 (they are < 1e-38 of the row max, far below float32 resolution).
+# A NaN lane stays NaN (an input NaN must show in the output, never turn into 0).
+
+# float32: near-minimax degree 6 on [-0.5, 0.5], max relative error 1.0e-7 (float32 rounding).
+EXP2_F32 = (1.0, 0.6931471824645996, 0.24022646248340607, 0.05550329014658928,
+            0.009618519805371761, 0.0013399859890341759, 0.00015337577497120947)
+# float64: Taylor series of e^(f ln 2) to degree 13, truncation < 2e-17 on [-0.5, 0.5].
+EXP2_F64 = tuple(math.log(2.0) ** n / math.factorial(n) for n in range(14))
+
+
+def exp2_coefficients(bits):
+    return EXP2_F32 if bits == 32 else EXP2_F64
+
+
+def _exp2_ir(builder, x):
+    vty = x.type
+    fty = vty.element
+    bits = 32 if isinstance(fty, ir.FloatType) else 64
+    mant, bias = (23, 127) if bits == 32 else (52, 1023)
+    ity = ir.VectorType(ir.IntType(bits), vty.count)
+
+    def splat(c, ty=vty):
+        return ir.Constant(ty, [c] * vty.count)
+
+    lowest = splat(float(1 - bias))                # smallest normal exponent: 2^-126 / 2^-1022
+    is_low = builder.fcmp_ordered("<", x, lowest)  # false for NaN
+    xc = builder.select(is_low, splat(float(-bias)), x)
+    n = builder.call(_vector_intrinsic(builder, "llvm.rint", vty, 1), [xc])
+    f = builder.fsub(xc, n)
+    coeffs = exp2_coefficients(bits)
+    p = splat(coeffs[-1])
+    for c in coeffs[-2::-1]:
+        p = _fma(builder, p, f, splat(c))
+    ni = builder.fptosi(n, ity)
+    scale_bits = builder.shl(builder.add(ni, splat(bias, ity)), splat(mant, ity))
+    scale = builder.bitcast(scale_bits, vty)
+    # n = -bias gives bit pattern 0, i.e. exactly +0.0.
+    y = builder.fmul(p, scale)
+    is_nan = builder.fcmp_unordered("uno", x, x)
+    return builder.select(is_nan, x, y)
+
+
+@intrinsic
+def vexp2(typingctx, v):
+    """2**v lane by lane, for v <= 0 (scores minus their running max); see the notes above."""
+    if not isinstance(v, Vec):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return _exp2_ir(builder, args[0])
+
+    return v(v), codegen
+
+
+# ---------------------------------------------------------------------------------------------
+# the register-blocked tile product
+
+
+def _make_gemm(mr, nv, accumulate):
+    """Build ``gemm(c, c_off, ldc, a, a_off, lda, b, b_off, ldb, k)`` for one tile shape.
+
+    ``C[r, :] (+)= sum_k A[r, k] * B[k, :]`` for ``r < mr`` and ``nv`` vectors of columns.
+    Arrays are contiguous and addressed flat: element ``(r, c)`` of C is ``c[c_off + r*ldc + c]``.
+    """
+
+    @intrinsic
+    def gemm(typingctx, c, c_off, ldc, a, a_off, lda, b, b_off, ldb, k):
+        vt = _vec_of(c)
+        if vt is None or _vec_of(a) != vt or _vec_of(b) != vt:
+            return None
+        ip = types.intp
+        sig = types.void(c, ip, ip, a, ip, ip, b, ip, ip, ip)
+
+        def codegen(context, builder, sig, args):
+            cty, _, _, aty, _, _, bty, _, _, _ = sig.args
+            c_arr, c_off, ldc, a_arr, a_off, lda, b_arr, b_off, ldb, kdim = args
+            lvt = context.get_value_type(vt)
+            align = vt.dtype.bitwidth // 8
+            width = vt.width
+            c_base = _elem_ptr(context, builder, cty, c_arr, c_off)
+            a_base = _elem_ptr(context, builder, aty, a_arr, a_off)
+            b_base = _elem_ptr(context, builder, bty, b_arr, b_off)
+
+            def c_ptr(r, v):
+                off = builder.add(builder.mul(ir.Constant(ldc.type, r), ldc),
+                                  ir.Constant(ldc.type, v * width))
+                return _vec_ptr(builder, builder.gep(c_base, [off]), lvt)
+
+            accs = [[cgutils.alloca_once(builder, lvt) for _ in range(nv)] for _ in range(mr)]
+            zero = ir.Constant(lvt, None)
+            for r in range(mr):
+                for v in range(nv):
+                    init = builder.load(c_ptr(r, v), align=align) if accumulate else zero
+                    builder.store(init, accs[r][v])
+            with cgutils.for_range(builder, kdim) as loop:
+                kk = loop.index
+                b_row = builder.gep(b_base, [builder.mul(kk, ldb)])
+                b_vecs = [builder.load(_vec_ptr(builder, builder.gep(
+                    b_row, [ir.Constant(kk.type, v * width)]), lvt), align=align)
+                    for v in range(nv)]
+                for r in range(mr):
+                    a_idx = builder.add(builder.mul(ir.Constant(lda.type, r), lda), kk)
+                    a_val = _splat(builder, builder.load(builder.gep(a_base, [a_idx])), lvt)
+                    for v in range(nv):
+                        acc = builder.load(accs[r][v])
+                        builder.store(_fma(builder, a_val, b_vecs[v], acc), accs[r][v])
+            for r in range(mr):
+                for v in range(nv):
+                    builder.store(builder.load(accs[r][v]), c_ptr(r, v), align=align)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return gemm
+
+
+@intrinsic
+def lanes_of(typingctx, arr):
+    """Lanes of one vector of ``arr``'s element type (a compile-time constant)."""
+    vt = _vec_of(arr)
+    if vt is None:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return context.get_constant(types.intp, vt.width)
+
+    return types.intp(arr), codegen

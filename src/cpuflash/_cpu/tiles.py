@@ -1,0 +1,118 @@
+"""Tile-level steps of attention, each in a SIMD form and a portable pure-Numba form.
+
+All arrays are contiguous 1-D scratch buffers addressed as row-major tiles: element ``(r, c)``
+of a tile at ``off`` with row stride ``ld`` is ``buf[off + r*ld + c]``. Tile widths are whole
+vectors (callers pad), so no step has a tail.
+
+``portable=True`` selects plain loops that any CPU Numba supports runs; the tests run both.
+The branch is taken once per tile, never inside an inner loop.
+"""
+import numpy as np
+
+from .. import config
+from . import simd
+from ._jit import helper
+
+MR = config.MICRO_ROWS
+MAX_VECS = 4
+
+_set = [simd._make_gemm(MR, nv, accumulate=False) for nv in range(1, MAX_VECS + 1)]
+_acc = [simd._make_gemm(MR, nv, accumulate=True) for nv in range(1, MAX_VECS + 1)]
+_set1, _set2, _set3, _set4 = _set
+_acc1, _acc2, _acc3, _acc4 = _acc
+
+
+@helper
+def _micro_simd(c, c_off, ldc, a, a_off, lda, b, b_off, ldb, k, nv, accumulate):
+    if accumulate:
+        if nv == 4:
+            _acc4(c, c_off, ldc, a, a_off, lda, b, b_off, ldb, k)
+        elif nv == 3:
+            _acc3(c, c_off, ldc, a, a_off, lda, b, b_off, ldb, k)
+        elif nv == 2:
+            _acc2(c, c_off, ldc, a, a_off, lda, b, b_off, ldb, k)
+        else:
+            _acc1(c, c_off, ldc, a, a_off, lda, b, b_off, ldb, k)
+    else:
+        if nv == 4:
+            _set4(c, c_off, ldc, a, a_off, lda, b, b_off, ldb, k)
+        elif nv == 3:
+            _set3(c, c_off, ldc, a, a_off, lda, b, b_off, ldb, k)
+        elif nv == 2:
+            _set2(c, c_off, ldc, a, a_off, lda, b, b_off, ldb, k)
+        else:
+            _set1(c, c_off, ldc, a, a_off, lda, b, b_off, ldb, k)
+
+
+@helper
+def tile_product(c, c_off, ldc, a, a_off, lda, b, b_off, ldb, rows, cols, k,
+                 accumulate, portable):
+    """``C[:rows, :cols] (+)= A[:rows, :k] @ B[:k, :cols]``; rows % MR == 0, cols whole vectors."""
+    if portable:
+        for r in range(rows):
+            c_row = c_off + r * ldc
+            if not accumulate:
+                for j in range(cols):
+                    c[c_row + j] = 0.0
+            for kk in range(k):
+                a_rk = a[a_off + r * lda + kk]
+                b_row = b_off + kk * ldb
+                for j in range(cols):
+                    c[c_row + j] += a_rk * b[b_row + j]
+        return
+    lanes = simd.lanes_of(c)
+    step = MAX_VECS * lanes
+    for r0 in range(0, rows, MR):
+        for c0 in range(0, cols, step):
+            nv = min(MAX_VECS, (cols - c0) // lanes)
+            _micro_simd(c, c_off + r0 * ldc + c0, ldc, a, a_off + r0 * lda, lda,
+                        b, b_off + c0, ldb, k, nv, accumulate)
+
+
+@helper
+def row_max(s, off, n, portable):
+    """Max of ``s[off:off+n]``, passing over NaN; ``-inf`` if every entry is ``-inf``."""
+    if portable:
+        best = -np.inf
+        for j in range(n):
+            if s[off + j] > best:
+                best = s[off + j]
+        return best
+    lanes = simd.lanes_of(s)
+    best_v = simd.vsplat(s, -np.inf)
+    for j in range(0, n, lanes):
+        best_v = simd.vmax(best_v, simd.vload(s, off + j))
+    return simd.vhmax(best_v)
+
+
+@helper
+def exp2_shifted_sum(s, off, n, shift, portable):
+    """``s[j] = 2**(s[j] - shift)`` in place over ``s[off:off+n]``; returns the sum."""
+    if portable:
+        total = 0.0
+        for j in range(n):
+            p = np.exp2(s[off + j] - shift)
+            s[off + j] = p
+            total += p
+        return total
+    lanes = simd.lanes_of(s)
+    shift_v = simd.vsplat(s, shift)
+    total_v = simd.vsplat(s, 0.0)
+    for j in range(0, n, lanes):
+        p = simd.vexp2(simd.vsub(simd.vload(s, off + j), shift_v))
+        simd.vstore(s, off + j, p)
+        total_v = simd.vadd(total_v, p)
+    return simd.vhsum(total_v)
+
+
+@helper
+def scale_row(x, off, n, factor, portable):
+    """``x[off:off+n] *= factor``."""
+    if portable:
+        for j in range(n):
+            x[off + j] *= factor
+        return
+    lanes = simd.lanes_of(x)
+    f = simd.vsplat(x, factor)
+    for j in range(0, n, lanes):
+        simd.vstore(x, off + j, simd.vmul(simd.vload(x, off + j), f))

@@ -1,0 +1,57 @@
+"""Tile sizes and SIMD shape, derived from the host in this one place.
+
+Everything here is a pure function of the CPU (its SIMD width), so Numba's on-disk cache, which
+is keyed on the CPU name and features, never serves a kernel built for other tile sizes.
+
+* ``VECTOR_BYTES``: bytes of one SIMD register (64 with AVX-512, 32 with AVX/AVX2, else 16,
+  which LLVM lowers to SSE or NEON).
+* ``MICRO_ROWS`` x ``MICRO_VECS``: the register tile of the tile products, rows of A times
+  vectors of B. AVX-512 has 32 vector registers: 4 x 4 accumulators + 4 B vectors + 1 broadcast.
+  AVX2 and NEON have 16 (32 on Arm, but narrower): 6 x 2 accumulators, at most 12, do not spill.
+* ``BLOCK_Q`` x ``BLOCK_K``: the attention tile. A 64 x 64 float32 Q block (16 KiB) and K/V tiles
+  of ``BLOCK_K`` keys (at D = 64, 32 KiB each) stay in L2 and mostly in L1 while a tile is
+  reused; the score tile ``BLOCK_Q x BLOCK_K`` is the working set of the softmax.
+"""
+import os
+
+from llvmlite import binding as _llvm
+
+
+def _host_features():
+    try:
+        return set(f[1:] for f in _llvm.get_host_cpu_features().flatten().split(",")
+                   if f.startswith("+"))
+    except Exception:  # pragma: no cover - platforms where LLVM cannot tell
+        return set()
+
+
+HOST_FEATURES = _host_features()
+HOST_CPU = _llvm.get_host_cpu_name()
+
+if "avx512f" in HOST_FEATURES:
+    VECTOR_BYTES, MICRO_ROWS, MICRO_VECS = 64, 4, 4
+elif "avx2" in HOST_FEATURES or "avx" in HOST_FEATURES:
+    VECTOR_BYTES, MICRO_ROWS, MICRO_VECS = 32, 6, 2
+else:
+    VECTOR_BYTES, MICRO_ROWS, MICRO_VECS = 16, 6, 2
+
+# float32 lanes of one vector; the key tile is a whole number of micro-tile widths.
+LANES_F32 = VECTOR_BYTES // 4
+BLOCK_K = 2 * MICRO_VECS * LANES_F32 if VECTOR_BYTES == 64 else 4 * MICRO_VECS * LANES_F32
+BLOCK_Q = MICRO_ROWS * (64 // MICRO_ROWS) if MICRO_ROWS != 6 else 48
+
+# Where a Numba cache may be written; see _cpu/_jit.py.
+CACHE_ENABLED = os.environ.get("CPUFLASH_DISABLE_CACHE", "") in ("", "0")
+
+
+def describe():
+    """The chosen shapes, for ``cpuflash info`` and benchmark records."""
+    return {
+        "cpu": HOST_CPU,
+        "simd": ("avx512f" if VECTOR_BYTES == 64 else "avx2" if VECTOR_BYTES == 32
+                 else "128-bit"),
+        "vector_bytes": VECTOR_BYTES,
+        "micro_tile": f"{MICRO_ROWS}x{MICRO_VECS * LANES_F32} (float32)",
+        "block_q": BLOCK_Q,
+        "block_k": BLOCK_K,
+    }
