@@ -27,10 +27,13 @@ import math
 import numpy as np
 from numba import prange
 
+from .. import config
 from ._jit import helper, kernel
+from .pack import packed_kv
 from .tiles import exp2_shifted_sum, row_max, scale_row, tile_product
 
 LN2 = math.log(2.0)
+LOG2_E = 1.0 / LN2
 
 
 @helper
@@ -130,3 +133,26 @@ def forward(q, kt, vt, block_q, scale2, causal, n_k, portable, out, lse):
                 for c in range(dv):
                     out[b, h, q0 + r, c] = acc[r * dv_pad + c] * inv_l
                 lse[b, h, q0 + r] = (m_i[r] + np.log2(l_i[r])) * LN2
+
+
+def run_forward(q, k, v, scale, causal, portable, out=None):
+    """Pack K/V and run the kernel on 4-D arrays of one compute dtype (float32 or float64).
+
+    Returns ``out`` (B, Hq, Nq, Dv), contiguous, and ``lse`` (B, Hq, Nq), both in that dtype.
+    ``out``, if given, must be such an array; it is written in place.
+    """
+    n_b, n_hq, n_q, d = q.shape
+    n_k, dv = v.shape[2], v.shape[3]
+    if out is None:
+        out = np.empty((n_b, n_hq, n_q, dv), dtype=q.dtype)
+    lse = np.empty((n_b, n_hq, n_q), dtype=q.dtype)
+    if out.size == 0:
+        return out, lse
+    if n_k == 0:  # no key at all: every row sees nothing
+        out[...] = 0.0
+        lse[...] = -np.inf
+        return out, lse
+    block_k = config.block_k(d)
+    kt, vt = packed_kv(k, v, block_k, config.lanes(q.dtype))
+    forward(q, kt, vt, config.BLOCK_Q, scale * LOG2_E, causal, n_k, portable, out, lse)
+    return out, lse

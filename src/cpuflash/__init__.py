@@ -1,0 +1,7 @@
+"""cpuflash: exact FlashAttention-style softmax attention on the CPU, with Numba kernels."""
+from . import reference
+from .api import attention, get_num_threads, set_num_threads
+
+__version__ = "0.1.0"
+
+__all__ = ["attention", "get_num_threads", "reference", "set_num_threads", "__version__"]

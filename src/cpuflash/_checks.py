@@ -1,0 +1,89 @@
+"""Argument checks. Each raises before any kernel runs, naming the argument, what was expected
+and what was given."""
+import math
+import numbers
+
+import numpy as np
+
+FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+
+
+def array(name, x):
+    if not isinstance(x, np.ndarray):
+        raise TypeError(f"{name}: expected a numpy.ndarray, got {type(x).__name__}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name}: expected dtype float16, float32 or float64, got {x.dtype}")
+    if x.ndim not in (2, 3, 4):
+        raise ValueError(f"{name}: expected 2-D (N, D), 3-D (H, N, D) or 4-D (B, H, N, D), "
+                         f"got {x.ndim}-D with shape {x.shape}")
+    return x
+
+
+def same_dtype(**arrays):
+    dtypes = {name: a.dtype for name, a in arrays.items()}
+    if len(set(dtypes.values())) > 1:
+        given = ", ".join(f"{n}={d}" for n, d in dtypes.items())
+        raise TypeError(f"{', '.join(dtypes)}: expected one dtype, got {given} "
+                        "(cast explicitly; cpuflash does not cast silently)")
+
+
+def same_rank(**arrays):
+    ranks = {name: a.ndim for name, a in arrays.items()}
+    if len(set(ranks.values())) > 1:
+        given = ", ".join(f"{n} is {r}-D" for n, r in ranks.items())
+        raise ValueError(f"{', '.join(ranks)}: expected the same rank, got {given}")
+
+
+def as_4d(x):
+    """(N, D) -> (1, 1, N, D) and (H, N, D) -> (1, H, N, D), as views."""
+    return x.reshape((1,) * (4 - x.ndim) + x.shape) if x.ndim < 4 else x
+
+
+def qkv_shapes(q, k, v):
+    """Check 4-D q/k/v against each other; returns (B, Hq, Hkv, Nq, Nk, D, Dv)."""
+    n_b, n_hq, n_q, d = q.shape
+    if k.shape[0] != n_b or v.shape[0] != n_b:
+        raise ValueError(f"k, v: expected batch {n_b} as q, got k {k.shape[0]}, v {v.shape[0]}")
+    _, n_hkv, n_k, dk = k.shape
+    if dk != d:
+        raise ValueError(f"k: expected head dim {d} as q, got {dk} (q {q.shape}, k {k.shape})")
+    if v.shape[1] != n_hkv or v.shape[2] != n_k:
+        raise ValueError(f"v: expected (heads, keys) = ({n_hkv}, {n_k}) as k, "
+                         f"got ({v.shape[1]}, {v.shape[2]})")
+    if n_hkv == 0 or n_hq % n_hkv:
+        raise ValueError(f"k: query heads ({n_hq}) must be a multiple of key/value heads "
+                         f"({n_hkv}) for GQA/MQA")
+    if d == 0 or v.shape[3] == 0:
+        raise ValueError(f"q, v: head dims must be at least 1, got D={d}, Dv={v.shape[3]}")
+    return n_b, n_hq, n_hkv, n_q, n_k, d, v.shape[3]
+
+
+def flag(name, x):
+    if not isinstance(x, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected True or False, got {x!r}")
+    return bool(x)
+
+
+def scale(x, d):
+    if x is None:
+        return 1.0 / math.sqrt(d)
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Real):
+        raise TypeError(f"scale: expected a real number or None, got {type(x).__name__}")
+    x = float(x)
+    if not math.isfinite(x) or x == 0.0:
+        raise ValueError(f"scale: expected a finite, nonzero number, got {x}")
+    return x
+
+
+def out_array(out, shape, dtype):
+    if out is None:
+        return None
+    if not isinstance(out, np.ndarray):
+        raise TypeError(f"out: expected a numpy.ndarray, got {type(out).__name__}")
+    if out.shape != shape:
+        raise ValueError(f"out: expected shape {shape}, got {out.shape}")
+    if out.dtype != dtype:
+        raise TypeError(f"out: expected dtype {dtype} (the dtype of q), got {out.dtype}")
+    if not out.flags.writeable:
+        raise ValueError("out: expected a writeable array, got a read-only one")
+    return out

@@ -1,0 +1,74 @@
+"""The public calls: validate, apply defaults, dispatch to the kernels."""
+import numpy as np
+import numba
+
+from . import _checks, config
+from ._cpu.forward import run_forward
+
+__all__ = ["attention", "set_num_threads", "get_num_threads"]
+
+
+def attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=None):
+    """Exact softmax attention, ``softmax(scale * q @ k^T) @ v``, computed tile by tile.
+
+    Parameters
+    ----------
+    q : ndarray (B, Hq, Nq, D), (H, Nq, D) or (Nq, D); float16, float32 or float64.
+    k : ndarray (B, Hkv, Nk, D) of the same rank and dtype; ``Hq % Hkv == 0`` (GQA/MQA: query
+        head ``h`` reads key/value head ``h // (Hq // Hkv)``).
+    v : ndarray (B, Hkv, Nk, Dv).
+    causal : bool. Bottom-right aligned: query ``i`` sees key ``j`` iff ``j <= i + Nk - Nq``.
+    scale : float, default ``1 / sqrt(D)``.
+    return_lse : bool. Also return ``lse`` (B, Hq, Nq): natural-log log-sum-exp of each row's
+        scores, float32 (float64 for float64 input); ``-inf`` for a row that sees no key.
+    out : ndarray of the output's shape and dtype, written in place and returned.
+
+    Any strides are accepted (transposed or broadcast views); float16 computes in float32.
+    A row that sees no key gets output 0.
+    """
+    _checks.array("q", q)
+    _checks.array("k", k)
+    _checks.array("v", v)
+    _checks.same_rank(q=q, k=k, v=v)
+    _checks.same_dtype(q=q, k=k, v=v)
+    causal = _checks.flag("causal", causal)
+    return_lse = _checks.flag("return_lse", return_lse)
+    q4, k4, v4 = _checks.as_4d(q), _checks.as_4d(k), _checks.as_4d(v)
+    d, dv = _checks.qkv_shapes(q4, k4, v4)[-2:]
+    scale = _checks.scale(scale, d)
+    out_shape = q.shape[:-1] + (dv,)
+    out = _checks.out_array(out, out_shape, q.dtype)
+
+    compute = np.float64 if q.dtype == np.float64 else np.float32
+    q4, k4, v4 = (x if x.dtype == compute else x.astype(compute) for x in (q4, k4, v4))
+    direct = (out is not None and out.dtype == compute and out.flags.c_contiguous
+              and not any(np.may_share_memory(out, x) for x in (q4, k4, v4)))
+    o4, lse = run_forward(q4, k4, v4, scale, causal, config.PORTABLE,
+                          out=_checks.as_4d(out) if direct else None)
+
+    result = o4.reshape(out_shape)
+    if out is not None and not direct:
+        out[...] = result
+        result = out
+    elif out is not None:
+        result = out
+    elif result.dtype != q.dtype:
+        result = result.astype(q.dtype)
+    if return_lse:
+        return result, lse.reshape(q.shape[:-1])
+    return result
+
+
+def set_num_threads(n):
+    """Threads used by the kernels (Numba's thread pool; at most ``NUMBA_NUM_THREADS``)."""
+    if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)):
+        raise TypeError(f"n: expected an int, got {type(n).__name__}")
+    if not 1 <= n <= numba.config.NUMBA_NUM_THREADS:
+        raise ValueError(f"n: expected 1..{numba.config.NUMBA_NUM_THREADS} "
+                         f"(NUMBA_NUM_THREADS), got {n}")
+    numba.set_num_threads(int(n))
+
+
+def get_num_threads():
+    """Threads the kernels use now."""
+    return numba.get_num_threads()

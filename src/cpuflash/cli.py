@@ -1,0 +1,185 @@
+"""``cpuflash`` / ``python -m cpuflash``: bench and info."""
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+import numpy as np
+
+# (B, H, N, D, causal): the main job on built-in defaults, about a minute with torch installed.
+DEFAULT_SHAPES = [
+    (1, 8, 512, 64, False),
+    (1, 8, 512, 128, False),
+    (1, 8, 2048, 64, False),
+    (1, 8, 2048, 64, True),
+    (1, 8, 2048, 128, False),
+    (1, 8, 8192, 64, True),
+]
+LONG_SHAPES = DEFAULT_SHAPES + [
+    (1, 8, 512, 64, True),
+    (1, 8, 8192, 64, False),
+    (1, 8, 8192, 128, True),
+    (1, 8, 2048, 128, True),
+]
+NAIVE_MAX_BYTES = 2 << 30  # skip the naive peer when its score matrix would exceed 2 GiB
+
+
+def _parse_shape(text):
+    parts = text.split(",")
+    if len(parts) != 5:
+        raise argparse.ArgumentTypeError(f"--shape: expected B,H,N,D,causal, got {text!r}")
+    b, h, n, d = (int(p) for p in parts[:4])
+    return b, h, n, d, parts[4].strip().lower() in ("1", "true", "yes", "causal")
+
+
+def bench(args):
+    import cpuflash
+    from cpuflash import _measure
+
+    if args.threads:
+        cpuflash.set_num_threads(args.threads)
+    dtype = np.dtype(args.dtype)
+    shapes = args.shape or (LONG_SHAPES if args.long else DEFAULT_SHAPES)
+    torch_run, torch_version = (None, None) if args.no_torch else _measure.torch_sdpa()
+    t_compile = time.perf_counter()
+    q, k, v = _measure.make_qkv(1, 1, 8, 64, dtype)
+    cpuflash.attention(q, k, v)
+    t_compile = time.perf_counter() - t_compile
+    rows = []
+    for (b, h, n, d, causal) in shapes:
+        q, k, v = _measure.make_qkv(b, h, n, d, dtype, seed=1)
+        fns = {"cpuflash": lambda: cpuflash.attention(q, k, v, causal=causal)}
+        if torch_run is not None:
+            fns["torch"] = lambda: torch_run(q, k, v, causal)
+        best = _measure.time_side_by_side(fns, repeats=args.repeats)
+        if b * h * n * n * dtype.itemsize * 3 <= NAIVE_MAX_BYTES and not args.no_naive:
+            naive = {"naive": lambda: _measure.naive_attention(q, k, v, causal)}
+            best.update(_measure.time_side_by_side(naive, repeats=min(3, args.repeats)))
+            time.sleep(0.3)  # let OpenBLAS's spinning threads go to sleep
+        flops = _measure.forward_flops(b, h, n, n, d, causal)
+        out = cpuflash.attention(q, k, v, causal=causal)
+        row = {
+            "B": b, "H": h, "N": n, "D": d, "causal": causal, "dtype": dtype.name,
+            "ms": best["cpuflash"] * 1e3,
+            "gflops": flops / best["cpuflash"] / 1e9,
+            "vs_naive": best["naive"] / best["cpuflash"] if "naive" in best else None,
+            "vs_torch": best["torch"] / best["cpuflash"] if "torch" in best else None,
+            "torch_gflops": flops / best["torch"] / 1e9 if "torch" in best else None,
+            "max_err": _measure.max_error_vs_reference(out, q, k, v, causal),
+        }
+        if "torch" in best:
+            row["torch_max_err"] = _measure.max_error_vs_reference(
+                torch_run(q, k, v, causal), q, k, v, causal)
+        if not args.no_memory:
+            row["peak_mib"] = _measure.peak_memory_growth(b, h, n, d, causal) / 2**20
+        rows.append(row)
+        if not args.json:
+            _print_row(row, first=len(rows) == 1)
+    meta = {"cpuflash": cpuflash.__version__, "numba": _numba_version(), "numpy": np.__version__,
+            "torch": torch_version, "threads": cpuflash.get_num_threads(),
+            "first_call_s": t_compile, "cpu": _cpu_name()}
+    if args.json:
+        json.dump({"meta": meta, "forward": rows}, sys.stdout, indent=1)
+        print()
+    else:
+        print(f"\n{json.dumps(meta)}")
+        print("GFLOP/s count 4*B*H*N^2*D (halved for causal); ratios > 1 mean cpuflash is faster;"
+              " peak = RSS growth of one call beyond q/k/v/out, in a fresh process;"
+              " err = max abs error vs the float64 reference (head 0).")
+
+
+def _print_row(row, first):
+    if first:
+        print(f"{'B':>2} {'H':>3} {'N':>6} {'D':>4} {'causal':>6} | {'ms':>8} {'GFLOP/s':>8} "
+              f"{'x naive':>8} {'x torch':>8} {'torch GF/s':>10} | {'peak MiB':>8} "
+              f"{'err':>8} {'torch err':>9}")
+
+    def fmt(x, spec):
+        return format(x, spec) if x is not None else "-"
+
+    print(f"{row['B']:>2} {row['H']:>3} {row['N']:>6} {row['D']:>4} {str(row['causal']):>6} | "
+          f"{row['ms']:8.2f} {row['gflops']:8.1f} {fmt(row['vs_naive'], '8.2f'):>8} "
+          f"{fmt(row['vs_torch'], '8.2f'):>8} {fmt(row['torch_gflops'], '10.1f'):>10} | "
+          f"{fmt(row.get('peak_mib'), '8.1f'):>8} {row['max_err']:8.1e} "
+          f"{fmt(row.get('torch_max_err'), '9.1e'):>9}", flush=True)
+
+
+def _numba_version():
+    import numba
+    return numba.__version__
+
+
+def _cpu_name():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def info(args):
+    import numba
+
+    import cpuflash
+    from cpuflash import config
+    from cpuflash._cpu import _jit
+
+    q, k, v = (np.zeros((1, 1, 4, 8), np.float32) for _ in range(3))
+    cpuflash.attention(q, k, v)  # starts the thread pool, so the layer is known
+    facts = {
+        "cpuflash": cpuflash.__version__,
+        "cpu": _cpu_name(),
+        **config.describe(),
+        "block_k_by_head_dim": {d: config.block_k(d) for d in (64, 128, 256)},
+        "portable": config.PORTABLE,
+        "threads": cpuflash.get_num_threads(),
+        "numba": numba.__version__,
+        "threading_layer": numba.threading_layer(),
+        "cache": (f"off ({', '.join(_jit.cache_fallbacks)})" if _jit.cache_fallbacks
+                  else "on" if config.CACHE_ENABLED else "off (CPUFLASH_DISABLE_CACHE)"),
+        "cache_dir": _cache_dir(),
+    }
+    if args.json:
+        json.dump(facts, sys.stdout, indent=1)
+        print()
+    else:
+        for key, value in facts.items():
+            print(f"{key:>20}: {value}")
+
+
+def _cache_dir():
+    from cpuflash._cpu import forward
+    cache = getattr(forward.forward, "_cache", None)
+    return getattr(cache, "_cache_path", None) or os.environ.get("NUMBA_CACHE_DIR", "-")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="cpuflash", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_bench = sub.add_parser("bench", help="time the forward pass against torch SDPA and numpy")
+    p_bench.add_argument("--shape", type=_parse_shape, action="append",
+                         help="B,H,N,D,causal (repeatable); default: a one-minute set")
+    p_bench.add_argument("--long", action="store_true", help="a longer sweep of shapes")
+    p_bench.add_argument("--dtype", default="float32", choices=["float32", "float64", "float16"])
+    p_bench.add_argument("--threads", type=int, default=0, help="threads (default: Numba's)")
+    p_bench.add_argument("--repeats", type=int, default=5)
+    p_bench.add_argument("--no-torch", action="store_true")
+    p_bench.add_argument("--no-naive", action="store_true")
+    p_bench.add_argument("--no-memory", action="store_true", help="skip the RSS subprocesses")
+    p_bench.add_argument("--json", action="store_true", help="machine-readable output")
+    p_bench.set_defaults(func=bench)
+    p_info = sub.add_parser("info", help="CPU features, tiles, threads, cache")
+    p_info.add_argument("--json", action="store_true")
+    p_info.set_defaults(func=info)
+    args = parser.parse_args(argv)
+    args.func(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

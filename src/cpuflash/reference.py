@@ -1,0 +1,53 @@
+"""The oracle: plain float64 numpy attention, written for clarity, not speed or memory.
+
+It builds the full (Nq, Nk) score matrix and follows API.md literally; every test compares
+the kernels with it.
+"""
+import math
+
+import numpy as np
+
+__all__ = ["attention", "visible"]
+
+
+def _as_4d(x):
+    return np.asarray(x, dtype=np.float64).reshape((1,) * (4 - np.ndim(x)) + np.shape(x))
+
+
+def visible(n_q, n_k, causal=False):
+    """Bool (Nq, Nk): may query i see key j. Causal is aligned bottom-right."""
+    i = np.arange(n_q)[:, None]
+    j = np.arange(n_k)[None, :]
+    if causal:
+        return j <= i + (n_k - n_q)
+    return np.ones((n_q, n_k), dtype=bool)
+
+
+def attention(q, k, v, *, causal=False, scale=None, return_lse=False):
+    """float64 ``softmax(scale * q k^T) v`` with the shapes and semantics of ``cpuflash.attention``.
+
+    A row that sees no key gives output 0 and ``lse = -inf``.
+    """
+    q4, k4, v4 = _as_4d(q), _as_4d(k), _as_4d(v)
+    n_q, d = q4.shape[2], q4.shape[3]
+    n_k = k4.shape[2]
+    group = q4.shape[1] // k4.shape[1]
+    k4 = np.repeat(k4, group, axis=1)  # GQA: query head h reads kv head h // group
+    v4 = np.repeat(v4, group, axis=1)
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    s = scale * np.einsum("bhid,bhjd->bhij", q4, k4)
+    seen = visible(n_q, n_k, causal)
+    s = np.where(seen, s, -np.inf)
+    m = s.max(axis=-1, keepdims=True, initial=-np.inf)
+    m_safe = np.where(np.isfinite(m), m, 0.0)
+    p = np.where(seen, np.exp(s - m_safe), 0.0)
+    lsum = p.sum(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        p = np.where(lsum > 0, p / lsum, 0.0)
+        lse = np.where(lsum[..., 0] > 0, (m_safe + np.log(lsum))[..., 0], -np.inf)
+    out = p @ v4
+    out = out.reshape(np.shape(q)[:-1] + (v4.shape[-1],))
+    if return_lse:
+        return out, lse.reshape(np.shape(q)[:-1])
+    return out
+
