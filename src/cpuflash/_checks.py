@@ -50,7 +50,7 @@ def qkv_shapes(q, k, v):
     if v.shape[1] != n_hkv or v.shape[2] != n_k:
         raise ValueError(f"v: expected (heads, keys) = ({n_hkv}, {n_k}) as k, "
                          f"got ({v.shape[1]}, {v.shape[2]})")
-    if n_hkv == 0 or n_hq % n_hkv:
+    if (n_hkv == 0 and n_hq != 0) or (n_hkv and n_hq % n_hkv):
         raise ValueError(f"k: query heads ({n_hq}) must be a multiple of key/value heads "
                          f"({n_hkv}) for GQA/MQA")
     if d == 0 or v.shape[3] == 0:

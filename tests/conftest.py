@@ -1,0 +1,50 @@
+import numpy as np
+import pytest
+
+from cpuflash import config
+
+
+def rand(shape, dtype=np.float32, seed=0, scale=1.0):
+    rng = np.random.default_rng(seed)
+    return (scale * rng.standard_normal(shape)).astype(dtype)
+
+
+@pytest.fixture(params=[False, True], ids=["simd", "portable"])
+def kernels(request, monkeypatch):
+    """Run a test on the SIMD kernels and on the portable pure-Numba fallback."""
+    monkeypatch.setattr(config, "PORTABLE", request.param)
+    return request.param
+
+
+def naive_error(q, k, v, ref, causal=False, scale=None):
+    """Max abs error of the textbook computation in the inputs' own dtype (float32 for f16)."""
+    dt = np.float64 if q.dtype == np.float64 else np.float32
+    q, k, v = (np.asarray(x, dtype=dt) for x in (q, k, v))
+    from cpuflash import reference
+    group = q.shape[-3] // k.shape[-3] if q.ndim > 2 else 1
+    if group > 1:
+        k, v = np.repeat(k, group, axis=-3), np.repeat(v, group, axis=-3)
+    d = q.shape[-1]
+    s = (q @ np.swapaxes(k, -1, -2)) * dt(1 / np.sqrt(d) if scale is None else scale)
+    seen = reference.visible(q.shape[-2], k.shape[-2], causal)
+    s = np.where(seen, s, -np.inf)
+    m = s.max(-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0)
+    p = np.where(seen, np.exp(s - m), 0)
+    lsum = p.sum(-1, keepdims=True)
+    out = np.where(lsum > 0, (p / np.where(lsum > 0, lsum, 1)) @ v, 0)
+    return float(np.max(np.abs(out - ref))) if out.size else 0.0
+
+
+def assert_close_to_reference(out, ref, q, k, v, causal=False, scale=None, factor=2.0):
+    """err(ours) <= factor * err(naive same-dtype) + atol, with atol from the dtype's epsilon."""
+    assert out.shape == ref.shape
+    if out.size == 0:
+        return
+    err = float(np.max(np.abs(out.astype(np.float64) - ref)))
+    base = naive_error(q, k, v, ref, causal, scale)
+    eps = np.finfo(np.float64 if q.dtype == np.float64 else np.float32).eps
+    atol = 8 * eps * max(1.0, float(np.max(np.abs(ref))))
+    if out.dtype == np.float16:
+        atol += float(np.max(np.abs(ref))) * np.finfo(np.float16).eps
+    assert err <= factor * base + atol, f"error {err:.3g} vs naive {base:.3g} (atol {atol:.3g})"

@@ -1,0 +1,55 @@
+"""Results do not depend on the thread count, on run order or on the kernels' cache."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import cpuflash
+from conftest import rand
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_bitwise_identical_for_one_and_two_threads(kernels, causal):
+    q, k, v = rand((2, 4, 150, 32), seed=1), rand((2, 2, 300, 32), seed=2), rand((2, 2, 300, 32), seed=3)
+    before = cpuflash.get_num_threads()
+    try:
+        results = []
+        for n in sorted({1, min(2, cpuflash.get_num_threads())} | {before}):
+            cpuflash.set_num_threads(n)
+            results.append(cpuflash.attention(q, k, v, causal=causal, return_lse=True))
+            results.append(cpuflash.attention(q, k, v, causal=causal, return_lse=True))
+    finally:
+        cpuflash.set_num_threads(before)
+    for out, lse in results[1:]:
+        assert np.array_equal(out, results[0][0]) and np.array_equal(lse, results[0][1])
+
+
+def _run(code, **env):
+    full_env = dict(os.environ, **env)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=full_env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+CALL = ("import numpy as np, cpuflash;"
+        "x = np.random.default_rng(0).standard_normal((1, 2, 70, 8)).astype(np.float32);"
+        "print(cpuflash.attention(x, x, x, causal=True).tobytes().hex()[:4000])")
+
+
+def test_numba_num_threads_env_gives_same_bits():
+    one = _run(CALL, NUMBA_NUM_THREADS="1").stdout
+    two = _run(CALL, NUMBA_NUM_THREADS="2").stdout
+    assert one == two and len(one) > 100
+
+
+def test_import_works_without_a_writable_cache(tmp_path):
+    # Numba raises when no cache location is usable; cpuflash must compile in memory instead.
+    code = ("import numba.core.caching as c\n"
+            "def refuse(*a, **k): raise RuntimeError('no locator available (simulated)')\n"
+            "c.CacheImpl.__init__ = refuse\n"
+            "import warnings; warnings.simplefilter('ignore')\n" + CALL.replace(";", "\n"))
+    no_cache = _run(code).stdout
+    assert no_cache == _run(CALL).stdout

@@ -1,0 +1,139 @@
+"""The forward kernel against the float64 reference: shapes, dtypes, causal, GQA, strides."""
+import numpy as np
+import pytest
+
+import cpuflash
+from cpuflash import config, reference
+from conftest import assert_close_to_reference, rand
+
+BQ, BK = config.BLOCK_Q, config.BLOCK_K
+
+
+def check(q, k, v, causal=False, scale=None):
+    out, lse = cpuflash.attention(q, k, v, causal=causal, scale=scale, return_lse=True)
+    ref, ref_lse = reference.attention(q, k, v, causal=causal, scale=scale, return_lse=True)
+    assert out.dtype == q.dtype
+    assert lse.dtype == (np.float64 if q.dtype == np.float64 else np.float32)
+    assert lse.shape == q.shape[:-1]
+    assert_close_to_reference(out, ref, q, k, v, causal, scale)
+    seen = np.isfinite(ref_lse)
+    assert np.array_equal(np.isfinite(lse), seen)
+    tol = 1e-12 if q.dtype == np.float64 else 1e-5
+    np.testing.assert_allclose(lse[seen], ref_lse[seen], rtol=tol, atol=tol)
+    return out, lse
+
+
+@pytest.mark.parametrize("n_q,n_k", [(1, 1), (1, BK + 1), (BQ - 1, BK - 1), (BQ, BK),
+                                     (BQ + 1, 2 * BK + 1), (37, 200), (200, 37), (13, 13)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sequence_lengths(kernels, n_q, n_k, causal):
+    check(rand((1, 2, n_q, 16), seed=1), rand((1, 2, n_k, 16), seed=2),
+          rand((1, 2, n_k, 16), seed=3), causal)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("causal", [False, True])
+def test_dtypes(kernels, dtype, causal):
+    check(rand((2, 3, 67, 24), dtype, 1), rand((2, 3, 131, 24), dtype, 2),
+          rand((2, 3, 131, 24), dtype, 3), causal)
+
+
+@pytest.mark.parametrize("d,dv", [(1, 1), (5, 3), (64, 64), (97, 16), (128, 128), (257, 33),
+                                  (512, 512)])
+def test_head_dims(kernels, d, dv):
+    check(rand((1, 1, 19, d), seed=1), rand((1, 1, 150, d), seed=2),
+          rand((1, 1, 150, dv), seed=3), causal=True)
+
+
+@pytest.mark.parametrize("h_kv", [1, 2, 3, 6])
+def test_gqa_and_mqa(kernels, h_kv):
+    check(rand((2, 6, 33, 16), seed=1), rand((2, h_kv, 70, 16), seed=2),
+          rand((2, h_kv, 70, 8), seed=3), causal=True)
+
+
+def test_strided_and_broadcast_views(kernels):
+    # (B, N, H, D) buffers viewed as (B, H, N, D); keys broadcast over heads; reversed queries.
+    q = rand((2, 45, 4, 16), seed=1).transpose(0, 2, 1, 3)[:, :, ::-1]
+    k = np.broadcast_to(rand((2, 1, 90, 16), seed=2), (2, 2, 90, 16))
+    v = rand((2, 90, 2, 32), seed=3).transpose(0, 2, 1, 3)[..., ::2]
+    assert not q.flags.c_contiguous and not v.flags.c_contiguous
+    out, _ = check(q, k, v, causal=True)
+    dense = cpuflash.attention(np.ascontiguousarray(q), np.ascontiguousarray(k),
+                               np.ascontiguousarray(v), causal=True)
+    assert np.array_equal(out, dense)  # strides never change a bit of the result
+
+
+@pytest.mark.parametrize("rank", [2, 3])
+def test_ranks(rank):
+    shape = (3,) * (rank - 2)
+    q, k, v = rand(shape + (20, 8), seed=1), rand(shape + (30, 8), seed=2), rand(shape + (30, 4), seed=3)
+    out, lse = check(q, k, v, causal=True)
+    assert out.shape == shape + (20, 4) and lse.shape == shape + (20,)
+
+
+def test_scale(kernels):
+    check(rand((1, 1, 10, 8), seed=1), rand((1, 1, 12, 8), seed=2), rand((1, 1, 12, 8), seed=3),
+          scale=-0.3)
+
+
+@pytest.mark.parametrize("shape_q,shape_k", [((0, 2, 5, 8), (0, 2, 5, 8)), ((1, 0, 5, 8), (1, 0, 5, 8)),
+                                             ((1, 2, 0, 8), (1, 2, 5, 8)), ((1, 2, 5, 8), (1, 2, 0, 8))])
+def test_empty_sizes(shape_q, shape_k):
+    q, k = rand(shape_q), rand(shape_k)
+    out, lse = cpuflash.attention(q, k, k, return_lse=True)
+    assert out.shape == shape_q and lse.shape == shape_q[:-1]
+    assert np.all(out == 0) and np.all(lse == -np.inf)
+
+
+def test_rows_that_see_no_key_give_zero_and_minus_inf(kernels):
+    # Nq > Nk with causal bottom-right: the first Nq - Nk rows see nothing.
+    q, k, v = rand((1, 1, 150, 8), seed=1), rand((1, 1, 20, 8), seed=2), rand((1, 1, 20, 8), seed=3)
+    out, lse = check(q, k, v, causal=True)
+    assert np.all(out[0, 0, :130] == 0) and np.all(lse[0, 0, :130] == -np.inf)
+    assert np.all(np.isfinite(out))
+
+
+def test_peaked_scores(kernels):
+    # q = k = v scaled up: each row's softmax is nearly one-hot; a prototype lost 3x to torch here.
+    x = rand((1, 2, 300, 64), seed=4, scale=6.0)
+    check(x, x, x)
+    check(x, x, x, causal=True)
+
+
+def test_nan_propagates_to_the_rows_it_touches(kernels):
+    q, k, v = rand((1, 1, 40, 8), seed=1), rand((1, 1, 40, 8), seed=2), rand((1, 1, 40, 8), seed=3)
+    q[0, 0, 5, 2] = np.nan
+    out = cpuflash.attention(q, k, v)
+    assert np.all(np.isnan(out[0, 0, 5])) and np.all(np.isfinite(np.delete(out[0, 0], 5, 0)))
+    k2 = k.copy()
+    k2[0, 0, 30, 0] = np.nan  # a key only rows >= 30 see under causal
+    out = cpuflash.attention(q[..., :5, :] * 0 + 1, k2, v, causal=True)[0, 0]
+    # 5 queries against 40 keys: query i sees keys j <= i + 35, so every row sees key 30.
+    assert np.all(np.isnan(out))
+    out = cpuflash.attention(rand((1, 1, 40, 8), seed=5), k2, v, causal=True)[0, 0]
+    assert np.all(np.isfinite(out[:30])) and np.all(np.isnan(out[30:]))
+
+
+def test_out_argument(kernels):
+    q, k, v = rand((2, 2, 33, 8), seed=1), rand((2, 2, 40, 8), seed=2), rand((2, 2, 40, 8), seed=3)
+    want = cpuflash.attention(q, k, v, causal=True)
+    out = np.empty_like(want)
+    assert cpuflash.attention(q, k, v, causal=True, out=out) is out
+    assert np.array_equal(out, want)
+    strided = np.empty((2, 33, 2, 8), np.float32).transpose(0, 2, 1, 3)
+    cpuflash.attention(q, k, v, causal=True, out=strided)
+    assert np.array_equal(strided, want)
+    q_copy = q.copy()
+    cpuflash.attention(q_copy, k, v, causal=True, out=q_copy)  # out aliasing an input
+    assert np.array_equal(q_copy, want)
+
+
+def test_against_torch_when_installed():
+    torch = pytest.importorskip("torch")
+    q, k, v = rand((1, 4, 100, 32), seed=1), rand((1, 4, 100, 32), seed=2), rand((1, 4, 100, 32), seed=3)
+    ref = reference.attention(q, k, v, causal=True)
+    theirs = torch.nn.functional.scaled_dot_product_attention(
+        *(torch.from_numpy(x) for x in (q, k, v)), is_causal=True).numpy()
+    ours = cpuflash.attention(q, k, v, causal=True)
+    err_t, err_o = np.abs(theirs - ref).max(), np.abs(ours - ref).max()
+    assert err_o <= 2 * err_t + 1e-6, (err_o, err_t)
