@@ -200,10 +200,14 @@ def vhmax(typingctx, v):
 # exp2
 #
 # 2^x = 2^n * 2^f with n = round(x), f = x - n in [-0.5, 0.5]; 2^f by a polynomial, 2^n built
-# in the exponent bits. x is clamped below at the smallest normal exponent, where 2^n is
-# built as the bit pattern 0: exp2(-inf) is exactly 0 (masked scores vanish), and values
-# below 2^-126 flush to 0 (they are < 1e-38 of the row max, far below float32 resolution).
-# A NaN lane stays NaN (an input NaN must show in the output, never turn into 0).
+# in the exponent bits. The rounding is the "magic number" trick: t = x + (1.5 * 2^m + bias)
+# rounds x to an integer in float arithmetic and leaves n + bias in t's low mantissa bits, so
+# t's bits shifted left by m are exactly the bits of 2^n (the 1.5 * 2^m part shifts out).
+# No float->int conversion, so NaN needs no special case: a NaN lane stays NaN through
+# f and the product (an input NaN must show in the output, never turn into 0).
+# x is clamped below at -bias, where 2^n is the bit pattern 0: exp2(-inf) is exactly 0 (masked
+# scores vanish), and values below 2^-126 flush to 0 (under 1e-38 of the row max, far below
+# float32 resolution). x must be <= 0 (scores minus their running max) or at least below 2^m.
 
 # float32: near-minimax degree 6 on [-0.5, 0.5], max relative error 1.0e-7 (float32 rounding).
 EXP2_F32 = (1.0, 0.6931471824645996, 0.24022646248340607, 0.05550329014658928,
@@ -226,22 +230,19 @@ def _exp2_ir(builder, x):
     def splat(c, ty=vty):
         return ir.Constant(ty, [c] * vty.count)
 
-    lowest = splat(float(1 - bias))                # smallest normal exponent: 2^-126 / 2^-1022
-    is_low = builder.fcmp_ordered("<", x, lowest)  # false for NaN
-    xc = builder.select(is_low, splat(float(-bias)), x)
-    n = builder.call(_vector_intrinsic(builder, "llvm.rint", vty, 1), [xc])
-    f = builder.fsub(xc, n)
+    lowest = splat(float(-bias))
+    # max(lowest, x) that keeps a NaN x: "lowest > x" is false for NaN (one vmaxps on x86).
+    xc = builder.select(builder.fcmp_ordered(">", lowest, x), lowest, x)
+    magic = splat(1.5 * 2.0 ** mant + bias)
+    t = builder.fadd(xc, magic)               # round(x) + bias in the low mantissa bits
+    n = builder.fsub(t, magic)                # round(x), exactly
+    f = builder.fsub(xc, n)                   # in [-0.5, 0.5]
     coeffs = exp2_coefficients(bits)
     p = splat(coeffs[-1])
     for c in coeffs[-2::-1]:
         p = _fma(builder, p, f, splat(c))
-    ni = builder.fptosi(n, ity)
-    scale_bits = builder.shl(builder.add(ni, splat(bias, ity)), splat(mant, ity))
-    scale = builder.bitcast(scale_bits, vty)
-    # n = -bias gives bit pattern 0, i.e. exactly +0.0.
-    y = builder.fmul(p, scale)
-    is_nan = builder.fcmp_unordered("uno", x, x)
-    return builder.select(is_nan, x, y)
+    scale = builder.bitcast(builder.shl(builder.bitcast(t, ity), splat(mant, ity)), vty)
+    return builder.fmul(p, scale)             # n = -bias: scale bits 0, i.e. exactly +0.0
 
 
 @intrinsic
