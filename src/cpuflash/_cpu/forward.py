@@ -30,7 +30,7 @@ from numba import prange
 from .. import config
 from ._jit import helper, kernel
 from .pack import packed_kv
-from .tiles import exp2_shifted_sum, row_max, scale_row, tile_product
+from .tiles import online_softmax, rescale_add, tile_product
 
 LN2 = math.log(2.0)
 LOG2_E = 1.0 / LN2
@@ -98,6 +98,9 @@ def forward(q, kt, vt, block_q, scale2, causal, n_k, portable, out, lse):
         acc = np.zeros(block_q * dv_pad, dtype=out.dtype)
         m_i = np.full(block_q, -np.inf, dtype=out.dtype)
         l_i = np.zeros(block_q, dtype=out.dtype)
+        l_tile_sums = np.empty(block_q, dtype=out.dtype)
+        alpha_i = np.empty(block_q, dtype=out.dtype)
+        pv = np.empty(block_q * dv_pad, dtype=out.dtype)
         for r in range(rows):
             for dd in range(d):
                 q_s[r * d + dd] = q[b, h, q0 + r, dd] * scale2
@@ -108,21 +111,16 @@ def forward(q, kt, vt, block_q, scale2, causal, n_k, portable, out, lse):
                          block_k, block_q, block_k, d, False, portable)
             if tile_needs_mask(q0, k0, block_k, n_q, n_k, causal):
                 mask_tile(s, block_k, rows, q0, k0, block_k, n_q, n_k, causal)
+            online_softmax(s, block_k, block_q, m_i, l_tile_sums, alpha_i, portable)
             for r in range(block_q):
-                m_new = max(m_i[r], row_max(s, r * block_k, block_k, portable))
-                # A row that has seen only masked keys keeps m = -inf; shift by 0 then, so
-                # 2^(-inf - shift) is 0 and never -inf - (-inf) = NaN.
-                shift = m_new if m_new > -np.inf else 0.0
-                alpha = np.exp2(m_i[r] - shift)  # max rose: rescale earlier terms
-                row_sum = exp2_shifted_sum(s, r * block_k, block_k, shift, portable)
-                l_i[r] = alpha * l_i[r] + row_sum
-                m_i[r] = m_new
-                if alpha != 1.0:
-                    scale_row(acc, r * dv_pad, dv_pad, alpha, portable)
+                l_i[r] = alpha_i[r] * l_i[r] + l_tile_sums[r]
+            # This tile's P @ V on its own, then acc = alpha * acc + it: each tile's sum is short,
+            # which keeps float32 rounding lower than one long running sum over all keys.
             n_valid = min(block_k, n_k - k0)  # padding keys have P = 0: skip their rows of V
-            tile_product(acc, 0, dv_pad, s, 0, block_k, vt_flat,
+            tile_product(pv, 0, dv_pad, s, 0, block_k, vt_flat,
                          (bh_kv * vt.shape[1] + kb) * tile_v, dv_pad, block_q, dv_pad, n_valid,
-                         True, portable)
+                         False, portable)
+            rescale_add(acc, pv, dv_pad, block_q, alpha_i, portable)
         for r in range(rows):
             if l_i[r] == 0.0:  # the row sees no key: output 0, lse -inf
                 for c in range(dv):

@@ -106,13 +106,47 @@ def exp2_shifted_sum(s, off, n, shift, portable):
 
 
 @helper
-def scale_row(x, off, n, factor, portable):
-    """``x[off:off+n] *= factor``."""
+def exp2_inplace(x, off, n, portable):
+    """``x[off:off+n] = 2**x[off:off+n]`` (n whole vectors)."""
     if portable:
         for j in range(n):
-            x[off + j] *= factor
+            x[off + j] = np.exp2(x[off + j])
         return
     lanes = simd.lanes_of(x)
-    f = simd.vsplat(x, factor)
     for j in range(0, n, lanes):
-        simd.vstore(x, off + j, simd.vmul(simd.vload(x, off + j), f))
+        simd.vstore(x, off + j, simd.vexp2(simd.vload(x, off + j)))
+
+
+@helper
+def online_softmax(s, ld, rows, m_i, l_i, alpha_i, portable):
+    """One key tile of online softmax, in base 2, for ``rows`` rows of scores ``s``.
+
+    In place: ``s`` becomes ``P = 2^(s - m_new)``; ``m_i`` the new running max; ``l_i`` the new
+    running sum ``alpha * l + rowsum(P)``; ``alpha_i = 2^(m_old - m_new)``, the factor by which
+    the caller must rescale what it accumulated from earlier tiles.
+    """
+    for r in range(rows):
+        m_old = m_i[r]
+        m_new = max(m_old, row_max(s, r * ld, ld, portable))
+        # A row that has seen only masked keys keeps m = -inf; shift by 0 then, so that
+        # 2^(-inf - shift) is 0 and never 2^(-inf - (-inf)) = NaN.
+        shift = m_new if m_new > -np.inf else 0.0
+        alpha_i[r] = m_old - shift  # an exponent <= 0 until the exp2 below
+        l_i[r] = exp2_shifted_sum(s, r * ld, ld, shift, portable)  # this tile's sum, for now
+        m_i[r] = m_new
+    exp2_inplace(alpha_i, 0, rows, portable)  # all rows' rescale factors in a few vectors
+
+
+@helper
+def rescale_add(acc, tile, ld, rows, alpha_i, portable):
+    """``acc[r, :] = alpha_i[r] * acc[r, :] + tile[r, :]`` for ``rows`` rows of width ``ld``."""
+    if portable:
+        for r in range(rows):
+            for j in range(ld):
+                acc[r * ld + j] = alpha_i[r] * acc[r * ld + j] + tile[r * ld + j]
+        return
+    lanes = simd.lanes_of(acc)
+    for r in range(rows):
+        alpha = simd.vsplat(acc, alpha_i[r])
+        for j in range(r * ld, (r + 1) * ld, lanes):
+            simd.vstore(acc, j, simd.vfma(simd.vload(acc, j), alpha, simd.vload(tile, j)))
