@@ -8,6 +8,8 @@
 Keys past ``Nk`` and columns past ``Dv`` are zero. Inputs may have any strides (transposed or
 broadcast views) and are read once; the packed copies are O(N), like the inputs.
 """
+import threading
+
 import numpy as np
 from numba import prange
 
@@ -24,9 +26,13 @@ def pack_keys_transposed(k, block_k, kt):
         b, h = divmod(bh, n_h)
         j0 = kb * block_k
         n_valid = min(block_k, n_k - j0)
-        for j in range(n_valid):
-            for dd in range(d):
-                kt[bh, kb, dd, j] = k[b, h, j0 + j, dd]
+        # Transpose in 16 x 16 blocks, so that neither the reads nor the writes stride through
+        # more cache lines than L1 holds.
+        for jb in range(0, n_valid, 16):
+            for db in range(0, d, 16):
+                for dd in range(db, min(d, db + 16)):
+                    for j in range(jb, min(n_valid, jb + 16)):
+                        kt[bh, kb, dd, j] = k[b, h, j0 + j, dd]
         for dd in range(d):
             for j in range(n_valid, block_k):
                 kt[bh, kb, dd, j] = 0.0
@@ -52,14 +58,32 @@ def pack_values(v, block_k, vt):
                     vt[bh, kb, j, c] = 0.0
 
 
+# Packed buffers up to this size are kept per Python thread and reused by the next call: a
+# fresh buffer is page-faulted in on every call (measured: 0.5 ms of a 6 ms call at N=512,
+# D=128). Larger ones are allocated per call, where the faults are a small share of the work.
+REUSE_MAX_BYTES = 16 << 20
+_workspace = threading.local()
+
+
+def _buffer(name, shape, dtype):
+    size = int(np.prod(shape))
+    if size * np.dtype(dtype).itemsize > REUSE_MAX_BYTES:
+        return np.empty(shape, dtype=dtype)
+    buf = getattr(_workspace, name, None)
+    if buf is None or buf.size < size or buf.dtype != dtype:
+        buf = np.empty(max(size, 1), dtype=dtype)
+        setattr(_workspace, name, buf)
+    return buf[:size].reshape(shape)
+
+
 def packed_kv(k, v, block_k, lanes):
     """Pack (B, H, Nk, D) keys and (B, H, Nk, Dv) values; returns (kt, vt) as above."""
     n_b, n_h, n_k, d = k.shape
     dv = v.shape[3]
     n_blocks = max(1, -(-n_k // block_k))
     dv_pad = -(-dv // lanes) * lanes
-    kt = np.empty((n_b * n_h, n_blocks, d, block_k), dtype=k.dtype)
-    vt = np.empty((n_b * n_h, n_blocks, block_k, dv_pad), dtype=v.dtype)
+    kt = _buffer("keys", (n_b * n_h, n_blocks, d, block_k), k.dtype)
+    vt = _buffer("values", (n_b * n_h, n_blocks, block_k, dv_pad), v.dtype)
     if kt.size:
         pack_keys_transposed(k, block_k, kt)
     if vt.size:

@@ -62,9 +62,10 @@ def tile_product(c, c_off, ldc, a, a_off, lda, b, b_off, ldb, rows, cols, k,
         return
     lanes = simd.lanes_of(c)
     step = MAX_VECS * lanes
-    for r0 in range(0, rows, MR):
-        for c0 in range(0, cols, step):
-            nv = min(MAX_VECS, (cols - c0) // lanes)
+    # Column panels outer: one panel of B (k x step) stays in L1 while all row groups pass.
+    for c0 in range(0, cols, step):
+        nv = min(MAX_VECS, (cols - c0) // lanes)
+        for r0 in range(0, rows, MR):
             _micro_simd(c, c_off + r0 * ldc + c0, ldc, a, a_off + r0 * lda, lda,
                         b, b_off + c0, ldb, k, nv, accumulate)
 
