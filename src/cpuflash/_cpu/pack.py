@@ -1,9 +1,12 @@
 """Packing K and V into contiguous, zero-padded tiles, once per call, in parallel.
 
-* ``kt[bh, kb, d, j] = k[b, h, kb*block_k + j, d]``: each key tile transposed to ``(D, block_k)``
-  so the score product reads unit-stride rows of keys.
-* ``vt[bh, kb, j, c] = v[b, h, kb*block_k + j, c]``: each value tile ``(block_k, Dv_pad)``, the
-  value width padded to whole vectors.
+* ``kt[bh, kb]``: each key tile transposed to ``(D, block_k)``, so the score product reads
+  unit-stride rows of keys, and stored as column panels (see ``tiles.tile_product``).
+* ``vt[bh, kb]``: each value tile ``(block_k, Dv_pad)``, the value width padded to whole
+  vectors, stored as column panels.
+
+Panel layout of a ``(rows, cols)`` tile with panel width ``w``: element ``(r, c)`` sits at
+``c0 * rows + r * width + (c - c0)``, where ``c0 = c - c % w`` and ``width = min(w, cols - c0)``.
 
 Keys past ``Nk`` and columns past ``Dv`` are zero. Inputs may have any strides (transposed or
 broadcast views) and are read once; the packed copies are O(N), like the inputs.
@@ -13,12 +16,20 @@ import threading
 import numpy as np
 from numba import prange
 
-from ._jit import kernel
+from ._jit import helper, kernel
+
+
+@helper
+def panel_index(r, c, rows, cols, w):
+    """Flat index of element (r, c) of a (rows, cols) tile stored in column panels of width w."""
+    c0 = c - c % w
+    return c0 * rows + r * min(w, cols - c0) + (c - c0)
 
 
 @kernel
-def pack_keys_transposed(k, block_k, kt):
-    """``k``: (B, H, Nk, D) any strides. ``kt``: (B*H, n_blocks, D, block_k), contiguous."""
+def pack_keys_transposed(k, block_k, w, kt):
+    """``k``: (B, H, Nk, D) any strides. ``kt``: (B*H, n_blocks, D * block_k) contiguous: each
+    key tile transposed to (D, block_k), in column panels of width ``w``."""
     n_b, n_h, n_k, d = k.shape
     n_blocks = kt.shape[1]
     for task in prange(n_b * n_h * n_blocks):
@@ -32,30 +43,26 @@ def pack_keys_transposed(k, block_k, kt):
             for db in range(0, d, 16):
                 for dd in range(db, min(d, db + 16)):
                     for j in range(jb, min(n_valid, jb + 16)):
-                        kt[bh, kb, dd, j] = k[b, h, j0 + j, dd]
+                        kt[bh, kb, panel_index(dd, j, d, block_k, w)] = k[b, h, j0 + j, dd]
         for dd in range(d):
             for j in range(n_valid, block_k):
-                kt[bh, kb, dd, j] = 0.0
+                kt[bh, kb, panel_index(dd, j, d, block_k, w)] = 0.0
 
 
 @kernel
-def pack_values(v, block_k, vt):
-    """``v``: (B, H, Nk, Dv) any strides. ``vt``: (B*H, n_blocks, block_k, Dv_pad), contiguous."""
+def pack_values(v, block_k, dv_pad, w, vt):
+    """``v``: (B, H, Nk, Dv) any strides. ``vt``: (B*H, n_blocks, block_k * dv_pad) contiguous:
+    each value tile (block_k, dv_pad), zero-padded, in column panels of width ``w``."""
     n_b, n_h, n_k, dv = v.shape
-    n_blocks, dv_pad = vt.shape[1], vt.shape[3]
+    n_blocks = vt.shape[1]
     for task in prange(n_b * n_h * n_blocks):
         bh, kb = divmod(np.int64(task), n_blocks)
         b, h = divmod(bh, n_h)
         j0 = kb * block_k
         for j in range(block_k):
-            if j0 + j < n_k:
-                for c in range(dv):
-                    vt[bh, kb, j, c] = v[b, h, j0 + j, c]
-                for c in range(dv, dv_pad):
-                    vt[bh, kb, j, c] = 0.0
-            else:
-                for c in range(dv_pad):
-                    vt[bh, kb, j, c] = 0.0
+            for c in range(dv_pad):
+                x = v[b, h, j0 + j, c] if j0 + j < n_k and c < dv else 0.0
+                vt[bh, kb, panel_index(j, c, block_k, dv_pad, w)] = x
 
 
 # Packed buffers up to this size are kept per Python thread and reused by the next call: a
@@ -76,16 +83,16 @@ def _buffer(name, shape, dtype):
     return buf[:size].reshape(shape)
 
 
-def packed_kv(k, v, block_k, lanes):
+def packed_kv(k, v, block_k, lanes, panel_width):
     """Pack (B, H, Nk, D) keys and (B, H, Nk, Dv) values; returns (kt, vt) as above."""
     n_b, n_h, n_k, d = k.shape
     dv = v.shape[3]
     n_blocks = max(1, -(-n_k // block_k))
     dv_pad = -(-dv // lanes) * lanes
-    kt = _buffer("keys", (n_b * n_h, n_blocks, d, block_k), k.dtype)
-    vt = _buffer("values", (n_b * n_h, n_blocks, block_k, dv_pad), v.dtype)
+    kt = _buffer("keys", (n_b * n_h, n_blocks, d * block_k), k.dtype)
+    vt = _buffer("values", (n_b * n_h, n_blocks, block_k * dv_pad), v.dtype)
     if kt.size:
-        pack_keys_transposed(k, block_k, kt)
+        pack_keys_transposed(k, block_k, panel_width, kt)
     if vt.size:
-        pack_values(v, block_k, vt)
+        pack_values(v, block_k, dv_pad, panel_width, vt)
     return kt, vt
