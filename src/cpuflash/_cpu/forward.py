@@ -118,8 +118,9 @@ def forward(q, kt, vt, block_q, scale2, causal, n_k, portable, out, lse):
         kb_lo, kb_hi = tile_key_range(q0, q0 + rows, n_q, n_k, block_k, causal)
         for kb in range(kb_lo, kb_hi):
             k0 = kb * block_k
-            tile_product(s, 0, block_k, q_s, 0, d, kt_flat, (bh_kv * kt.shape[1] + kb) * tile_k,
-                         d, block_q, block_k, d, False, portable)
+            tile_product(s, 0, block_k, q_s, 0, d, 1, kt_flat,
+                         (bh_kv * kt.shape[1] + kb) * tile_k, 0, d, block_q, block_k, d,
+                         False, portable)
             if tile_needs_mask(q0, k0, block_k, n_q, n_k, causal):
                 mask_tile(s, block_k, rows, q0, k0, block_k, n_q, n_k, causal)
             online_softmax(s, block_k, block_q, m_i, l_tile_sums, alpha_i, portable)
@@ -128,9 +129,9 @@ def forward(q, kt, vt, block_q, scale2, causal, n_k, portable, out, lse):
             # This tile's P @ V on its own, then acc = alpha * acc + it: each tile's sum is short,
             # which keeps float32 rounding lower than one long running sum over all keys.
             n_valid = min(block_k, n_k - k0)  # padding keys have P = 0: skip their rows of V
-            tile_product(pv, 0, dv_pad, s, 0, block_k, vt_flat,
-                         (bh_kv * vt.shape[1] + kb) * tile_v, block_k, block_q, dv_pad, n_valid,
-                         False, portable)
+            tile_product(pv, 0, dv_pad, s, 0, block_k, 1, vt_flat,
+                         (bh_kv * vt.shape[1] + kb) * tile_v, 0, block_k, block_q, dv_pad,
+                         n_valid, False, portable)
             rescale_add(acc, pv, dv_pad, block_q, alpha_i, portable)
         for r in range(rows):
             if l_i[r] == 0.0:  # the row sees no key: output 0, lse -inf

@@ -262,23 +262,26 @@ def vexp2(typingctx, v):
 
 
 def _make_gemm(mr, nv, accumulate):
-    """Build ``gemm(c, c_off, ldc, a, a_off, lda, b, b_off, ldb, k)`` for one tile shape.
+    """Build ``gemm(c, c_off, ldc, a, a_off, a_rs, a_ks, b, b_off, ldb, k)`` for one tile shape.
 
     ``C[r, :] (+)= sum_k A[r, k] * B[k, :]`` for ``r < mr`` and ``nv`` vectors of columns.
-    Arrays are contiguous and addressed flat: element ``(r, c)`` of C is ``c[c_off + r*ldc + c]``.
+    Arrays are contiguous and addressed flat: ``C[r, c]`` is ``c[c_off + r*ldc + c]``,
+    ``B[k, c]`` is ``b[b_off + k*ldb + c]``, and ``A[r, k]`` is ``a[a_off + r*a_rs + k*a_ks]``
+    (``a_ks = 1`` for a row-major A; ``a_rs = 1`` reads a transposed one, as the backward
+    pass does for ``P^T @ dO`` and ``dS^T @ Q``).
     """
 
     @intrinsic
-    def gemm(typingctx, c, c_off, ldc, a, a_off, lda, b, b_off, ldb, k):
+    def gemm(typingctx, c, c_off, ldc, a, a_off, a_rs, a_ks, b, b_off, ldb, k):
         vt = _vec_of(c)
         if vt is None or _vec_of(a) != vt or _vec_of(b) != vt:
             return None
         ip = types.intp
-        sig = types.void(c, ip, ip, a, ip, ip, b, ip, ip, ip)
+        sig = types.void(c, ip, ip, a, ip, ip, ip, b, ip, ip, ip)
 
         def codegen(context, builder, sig, args):
-            cty, _, _, aty, _, _, bty, _, _, _ = sig.args
-            c_arr, c_off, ldc, a_arr, a_off, lda, b_arr, b_off, ldb, kdim = args
+            cty, _, _, aty, _, _, _, bty, _, _, _ = sig.args
+            c_arr, c_off, ldc, a_arr, a_off, lda, a_ks, b_arr, b_off, ldb, kdim = args
             lvt = context.get_value_type(vt)
             align = vt.dtype.bitwidth // 8
             width = vt.width
@@ -304,7 +307,8 @@ def _make_gemm(mr, nv, accumulate):
                     b_row, [ir.Constant(kk.type, v * width)]), lvt), align=align)
                     for v in range(nv)]
                 for r in range(mr):
-                    a_idx = builder.add(builder.mul(ir.Constant(lda.type, r), lda), kk)
+                    a_idx = builder.add(builder.mul(ir.Constant(lda.type, r), lda),
+                                        builder.mul(kk, a_ks))
                     a_val = _splat(builder, builder.load(builder.gep(a_base, [a_idx])), lvt)
                     for v in range(nv):
                         acc = builder.load(accs[r][v])

@@ -23,42 +23,46 @@ _acc1, _acc2, _acc3, _acc4 = _acc
 
 
 @helper
-def _micro_simd(c, c_off, ldc, a, a_off, lda, b, b_off, ldb, k, nv, accumulate):
+def _micro_simd(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k, nv, accumulate):
     if accumulate:
         if nv == 4:
-            _acc4(c, c_off, ldc, a, a_off, lda, b, b_off, ldb, k)
+            _acc4(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k)
         elif nv == 3:
-            _acc3(c, c_off, ldc, a, a_off, lda, b, b_off, ldb, k)
+            _acc3(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k)
         elif nv == 2:
-            _acc2(c, c_off, ldc, a, a_off, lda, b, b_off, ldb, k)
+            _acc2(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k)
         else:
-            _acc1(c, c_off, ldc, a, a_off, lda, b, b_off, ldb, k)
+            _acc1(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k)
     else:
         if nv == 4:
-            _set4(c, c_off, ldc, a, a_off, lda, b, b_off, ldb, k)
+            _set4(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k)
         elif nv == 3:
-            _set3(c, c_off, ldc, a, a_off, lda, b, b_off, ldb, k)
+            _set3(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k)
         elif nv == 2:
-            _set2(c, c_off, ldc, a, a_off, lda, b, b_off, ldb, k)
+            _set2(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k)
         else:
-            _set1(c, c_off, ldc, a, a_off, lda, b, b_off, ldb, k)
+            _set1(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k)
 
 
 @helper
-def tile_product(c, c_off, ldc, a, a_off, lda, b, b_off, b_rows, rows, cols, k,
+def tile_product(c, c_off, ldc, a, a_off, a_rs, a_ks, b, b_off, b_ld, b_panel, rows, cols, k,
                  accumulate, portable):
     """``C[:rows, :cols] (+)= A[:rows, :k] @ B[:k, :cols]``; rows % MR == 0, cols whole vectors.
 
-    B is packed in column panels of ``panel_width`` (the micro-tile width; the last panel may
-    be narrower): the panel of columns ``[c0, c0 + w)`` is a contiguous ``(b_rows, w)`` block at
-    ``b_off + c0 * b_rows``. A panel read with a row stride of a whole tile would touch only
-    some L1 sets and thrash them (measured at D=128: -20 %); a contiguous panel uses all.
+    ``A[r, k]`` is ``a[a_off + r*a_rs + k*a_ks]`` (row-major, or transposed with ``a_rs = 1``).
+    B is read one column panel of ``panel_width`` columns at a time (the last may be narrower):
+    the panel of columns ``[c0, c0 + w)`` starts at ``b_off + c0 * b_panel`` and has row stride
+    ``b_ld``, or ``w`` if ``b_ld == 0``. So ``b_panel = 1, b_ld = ld`` reads a plain row-major
+    B, and ``b_panel = rows of B, b_ld = 0`` reads B packed as contiguous panels (pack.py). A
+    panel read with a row stride of a whole wide tile touches only some L1 sets and thrashes
+    them (measured at D=128: -20 %); a contiguous panel uses all of them.
     """
     lanes = simd.lanes_of(c)
     step = MAX_VECS * lanes
     for c0 in range(0, cols, step):  # panels outer: one panel of B stays in L1 for all rows
         width = min(step, cols - c0)
-        panel = b_off + c0 * b_rows
+        panel = b_off + c0 * b_panel
+        ldb = b_ld if b_ld > 0 else width
         if portable:
             for r in range(rows):
                 c_row = c_off + r * ldc + c0
@@ -66,13 +70,13 @@ def tile_product(c, c_off, ldc, a, a_off, lda, b, b_off, b_rows, rows, cols, k,
                     for j in range(width):
                         c[c_row + j] = 0.0
                 for kk in range(k):
-                    a_rk = a[a_off + r * lda + kk]
+                    a_rk = a[a_off + r * a_rs + kk * a_ks]
                     for j in range(width):
-                        c[c_row + j] += a_rk * b[panel + kk * width + j]
+                        c[c_row + j] += a_rk * b[panel + kk * ldb + j]
         else:
             for r0 in range(0, rows, MR):
-                _micro_simd(c, c_off + r0 * ldc + c0, ldc, a, a_off + r0 * lda, lda,
-                            b, panel, width, k, width // lanes, accumulate)
+                _micro_simd(c, c_off + r0 * ldc + c0, ldc, a, a_off + r0 * a_rs, a_rs, a_ks,
+                            b, panel, ldb, k, width // lanes, accumulate)
 
 
 @helper
