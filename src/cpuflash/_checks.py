@@ -87,3 +87,13 @@ def out_array(out, shape, dtype):
     if not out.flags.writeable:
         raise ValueError("out: expected a writeable array, got a read-only one")
     return out
+
+
+def matches(name, x, shape, dtype):
+    """A saved or companion array must have exactly this shape and dtype."""
+    if not isinstance(x, np.ndarray):
+        raise TypeError(f"{name}: expected a numpy.ndarray, got {type(x).__name__}")
+    if x.shape != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {x.shape}")
+    if x.dtype != dtype:
+        raise TypeError(f"{name}: expected dtype {np.dtype(dtype)}, got {x.dtype}")

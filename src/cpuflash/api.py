@@ -3,9 +3,11 @@ import numpy as np
 import numba
 
 from . import _checks, config
+from ._cpu.backward import run_backward
 from ._cpu.forward import run_forward
 
-__all__ = ["attention", "set_num_threads", "get_num_threads"]
+__all__ = ["attention", "attention_backward", "attention_vjp", "set_num_threads",
+           "get_num_threads"]
 
 
 def attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=None):
@@ -57,6 +59,52 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=None):
     if return_lse:
         return result, lse.reshape(q.shape[:-1])
     return result
+
+
+def _compute_dtype(dtype):
+    return np.dtype(np.float64 if dtype == np.float64 else np.float32)
+
+
+def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None):
+    """Gradients ``(dq, dk, dv)`` of attention, from the forward pass's ``out`` and ``lse``.
+
+    ``dout`` is the gradient of the loss with respect to ``out``; ``out, lse`` are what
+    ``attention(q, k, v, return_lse=True, ...)`` returned; ``causal`` and ``scale`` must be the
+    forward call's. Probabilities are recomputed tile by tile from ``lse`` (memory O(N)).
+    Returns arrays shaped and typed like ``q``, ``k``, ``v`` (C-contiguous). For GQA, dk/dv
+    sum over the query heads of each group. Bitwise the same for any thread count.
+    """
+    for name, x in (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out)):
+        _checks.array(name, x)
+    _checks.same_rank(q=q, k=k, v=v)
+    _checks.same_dtype(q=q, k=k, v=v)
+    causal = _checks.flag("causal", causal)
+    q4, k4, v4 = _checks.as_4d(q), _checks.as_4d(k), _checks.as_4d(v)
+    d, dv_dim = _checks.qkv_shapes(q4, k4, v4)[-2:]
+    scale = _checks.scale(scale, d)
+    out_shape = q.shape[:-1] + (dv_dim,)
+    compute = _compute_dtype(q.dtype)
+    _checks.matches("dout", dout, out_shape, q.dtype)
+    _checks.matches("out", out, out_shape, q.dtype)
+    _checks.matches("lse", lse, q.shape[:-1], compute)
+
+    def as_compute(x):
+        x = _checks.as_4d(x)
+        return x if x.dtype == compute else x.astype(compute)
+
+    dq, dk, dv = run_backward(as_compute(dout), as_compute(q), as_compute(k), as_compute(v),
+                              as_compute(out), lse.reshape(q4.shape[:3]), scale, causal,
+                              config.PORTABLE)
+    return tuple(g.reshape(x.shape).astype(x.dtype, copy=False)
+                 for g, x in ((dq, q), (dk, k), (dv, v)))
+
+
+def attention_vjp(q, k, v, dout, *, causal=False, scale=None):
+    """Forward and backward in one call: returns ``(out, dq, dk, dv)``, the output and the
+    vector-Jacobian product of attention with the cotangent ``dout``."""
+    out, lse = attention(q, k, v, causal=causal, scale=scale, return_lse=True)
+    dq, dk, dv = attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
+    return out, dq, dk, dv
 
 
 def set_num_threads(n):

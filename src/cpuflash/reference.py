@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-__all__ = ["attention", "visible"]
+__all__ = ["attention", "attention_backward", "visible"]
 
 
 def _as_4d(x):
@@ -51,3 +51,33 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False):
         return out, lse.reshape(np.shape(q)[:-1])
     return out
 
+
+
+def attention_backward(dout, q, k, v, *, causal=False, scale=None):
+    """float64 gradients ``(dq, dk, dv)`` of ``sum(dout * attention(q, k, v))``.
+
+    ``P = softmax(S)``, ``dV = P^T dO``, ``dP = dO V^T``, ``dS = P * (dP - rowsum(dP * P))``,
+    ``dQ = scale dS K``, ``dK = scale dS^T Q``; for GQA, dK and dV sum over the query heads of
+    each group. Rows that see no key have P = 0 and contribute nothing.
+    """
+    q4, k4, v4, do4 = _as_4d(q), _as_4d(k), _as_4d(v), _as_4d(dout)
+    n_q, d = q4.shape[2], q4.shape[3]
+    n_b, n_hkv, n_k = k4.shape[:3]
+    group = q4.shape[1] // n_hkv
+    kr, vr = np.repeat(k4, group, axis=1), np.repeat(v4, group, axis=1)
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    s = scale * np.einsum("bhid,bhjd->bhij", q4, kr)
+    seen = visible(n_q, n_k, causal)
+    s = np.where(seen, s, -np.inf)
+    m = s.max(axis=-1, keepdims=True, initial=-np.inf)
+    p = np.where(seen, np.exp(s - np.where(np.isfinite(m), m, 0.0)), 0.0)
+    lsum = p.sum(axis=-1, keepdims=True)
+    p = np.where(lsum > 0, p / np.where(lsum > 0, lsum, 1.0), 0.0)
+    dv = np.einsum("bhij,bhid->bhjd", p, do4)
+    dp = np.einsum("bhid,bhjd->bhij", do4, vr)
+    ds = p * (dp - (dp * p).sum(axis=-1, keepdims=True))
+    dq = scale * np.einsum("bhij,bhjd->bhid", ds, kr)
+    dk = scale * np.einsum("bhij,bhid->bhjd", ds, q4)
+    dk = dk.reshape(n_b, n_hkv, group, n_k, d).sum(axis=2)
+    dv = dv.reshape(n_b, n_hkv, group, n_k, v4.shape[3]).sum(axis=2)
+    return (dq.reshape(np.shape(q)), dk.reshape(np.shape(k)), dv.reshape(np.shape(v)))

@@ -83,16 +83,28 @@ def _buffer(name, shape, dtype):
     return buf[:size].reshape(shape)
 
 
+def packed_transposed(x, block_k, panel_width, name):
+    """(B, H, N, D) -> (B*H, n_blocks, D * block_k): tiles transposed to (D, block_k), panels."""
+    n_b, n_h, n, d = x.shape
+    n_blocks = max(1, -(-n // block_k))
+    xt = _buffer(name, (n_b * n_h, n_blocks, d * block_k), x.dtype)
+    if xt.size:
+        pack_keys_transposed(x, block_k, panel_width, xt)
+    return xt
+
+
+def packed_rows(x, block_k, lanes, panel_width, name):
+    """(B, H, N, D) -> (B*H, n_blocks, block_k * D_pad): tiles (block_k, D_pad), panels."""
+    n_b, n_h, n, d = x.shape
+    n_blocks = max(1, -(-n // block_k))
+    d_pad = -(-d // lanes) * lanes
+    xr = _buffer(name, (n_b * n_h, n_blocks, block_k * d_pad), x.dtype)
+    if xr.size:
+        pack_values(x, block_k, d_pad, panel_width, xr)
+    return xr
+
+
 def packed_kv(k, v, block_k, lanes, panel_width):
-    """Pack (B, H, Nk, D) keys and (B, H, Nk, Dv) values; returns (kt, vt) as above."""
-    n_b, n_h, n_k, d = k.shape
-    dv = v.shape[3]
-    n_blocks = max(1, -(-n_k // block_k))
-    dv_pad = -(-dv // lanes) * lanes
-    kt = _buffer("keys", (n_b * n_h, n_blocks, d * block_k), k.dtype)
-    vt = _buffer("values", (n_b * n_h, n_blocks, block_k * dv_pad), v.dtype)
-    if kt.size:
-        pack_keys_transposed(k, block_k, panel_width, kt)
-    if vt.size:
-        pack_values(v, block_k, dv_pad, panel_width, vt)
-    return kt, vt
+    """Keys transposed and values as rows, packed for the forward pass."""
+    return (packed_transposed(k, block_k, panel_width, "keys"),
+            packed_rows(v, block_k, lanes, panel_width, "values"))

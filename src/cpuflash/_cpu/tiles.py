@@ -160,3 +160,28 @@ def rescale_add(acc, tile, ld, rows, alpha_i, portable):
         alpha = simd.vsplat(acc, alpha_i[r])
         for j in range(r * ld, (r + 1) * ld, lanes):
             simd.vstore(acc, j, simd.vfma(simd.vload(acc, j), alpha, simd.vload(tile, j)))
+
+
+@helper
+def softmax_grad_row(p, dp, off, n, delta, portable):
+    """``dp[off:off+n] = p * (dp - delta)``: dS from dP for one row (``delta = rowsum(dO * O)``)."""
+    if portable:
+        for j in range(off, off + n):
+            dp[j] = p[j] * (dp[j] - delta)
+        return
+    lanes = simd.lanes_of(p)
+    delta_v = simd.vsplat(p, delta)
+    for j in range(off, off + n, lanes):
+        simd.vstore(dp, j, simd.vmul(simd.vload(p, j), simd.vsub(simd.vload(dp, j), delta_v)))
+
+
+@helper
+def add_into(acc, off, x, n, portable):
+    """``acc[off:off+n] += x[:n]`` (n whole vectors)."""
+    if portable:
+        for j in range(n):
+            acc[off + j] += x[j]
+        return
+    lanes = simd.lanes_of(acc)
+    for j in range(0, n, lanes):
+        simd.vstore(acc, off + j, simd.vadd(simd.vload(acc, off + j), simd.vload(x, j)))

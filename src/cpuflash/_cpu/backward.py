@@ -1,0 +1,179 @@
+"""Backward pass by recomputation: prange over (batch*kv-head, key chunk); no atomics.
+
+Saved from the forward pass: ``out`` and ``lse`` only. With ``delta_i = rowsum(dO_i * O_i)``,
+for each key tile of a task's chunk, and each query block of each query head of its GQA group:
+
+    S   = Q @ K_tile^T                 # base-2 units: Q pre-multiplied by scale * log2(e)
+    P   = 2^(S - lse_i * log2(e))      # the forward's probabilities, regenerated
+    dP  = dO @ V_tile^T
+    dS  = P * (dP - delta_i)
+    dV_tile += P^T @ dO                # owned by this task: written once, at the tile's end
+    dK_tile += dS^T @ Q                # times ln 2: undoes the log2(e) folded into Q
+    dQ[chunk] += dS @ K_tile           # one partial per key chunk, summed in chunk order
+
+A task owns its key tiles' dK/dV outright. Its dQ contributions go to a partial buffer of its
+chunk; the partials are summed afterwards in chunk order. The chunking is a function of the
+shapes only, so the result is bitwise the same for any thread count. Five tile products per
+tile, the same micro-kernels and exp2 as the forward pass; never built in full: any (Nq, Nk)
+matrix. Memory: packed K/V (three O(Nk) copies) and ``n_chunks`` dQ partials.
+"""
+import math
+
+import numpy as np
+from numba import prange
+
+from .. import config
+from ._jit import kernel
+from .forward import mask_tile, tile_key_range, tile_needs_mask
+from .pack import packed_rows, packed_transposed
+from .tiles import add_into, exp2_shifted_sum, softmax_grad_row, tile_product
+
+LN2 = math.log(2.0)
+LOG2_E = 1.0 / LN2
+TASKS_WANTED = 4  # key chunks per (batch, kv head) are added until there are this many tasks
+
+
+@kernel
+def backward(q, dout, lse2, delta, kt, vtt, kn, block_q, d_pad, dv_pad, scale2, causal, n_k,
+             chunk_starts, portable, dq_part, dk, dv):
+    """q: (B, Hq, Nq, D), dout: (B, Hq, Nq, Dv), any strides. lse2: (B, Hq, Nq) lse in base 2,
+    ``+inf`` for rows that see no key (so their P is 0). delta: (B, Hq, Nq).
+    kt, vtt: K and V tiles transposed, kn: K tiles as rows (pack.py). chunk_starts: key-tile
+    boundaries of the chunks. dq_part: (n_chunks, B, Hq, n_qb * block_q, d_pad), zeroed.
+    dk: (B, Hkv, Nk, D), dv: (B, Hkv, Nk, Dv), contiguous: written, in units of the result.
+    """
+    n_b, n_hq, n_q, d = q.shape
+    n_dv = dout.shape[3]
+    n_hkv = kt.shape[0] // n_b
+    group = n_hq // n_hkv
+    n_chunks = chunk_starts.size - 1
+    n_kb = kt.shape[1]
+    block_k = kt.shape[2] // d
+    n_qb = (n_q + block_q - 1) // block_q
+    kt_flat, vtt_flat, kn_flat = kt.reshape(-1), vtt.reshape(-1), kn.reshape(-1)
+    dq_flat = dq_part.reshape(-1)
+    rows_padded = n_qb * block_q
+    for task in prange(n_b * n_hkv * n_chunks):
+        bh_kv, chunk = divmod(np.int64(task), n_chunks)
+        b, hk = divmod(bh_kv, n_hkv)
+        q_s = np.zeros(block_q * d_pad, dtype=dk.dtype)    # Q block in base-2 units
+        do_s = np.zeros(block_q * dv_pad, dtype=dk.dtype)  # dO block
+        s = np.empty(block_q * block_k, dtype=dk.dtype)    # S, then P
+        ds = np.empty(block_q * block_k, dtype=dk.dtype)   # dP, then dS
+        dk_acc = np.empty(block_k * d_pad, dtype=dk.dtype)
+        dv_acc = np.empty(block_k * dv_pad, dtype=dk.dtype)
+        dk_tile = np.empty(block_k * d_pad, dtype=dk.dtype)
+        dv_tile = np.empty(block_k * dv_pad, dtype=dk.dtype)
+        dq_tile = np.empty(block_q * d_pad, dtype=dk.dtype)
+        lse_r = np.empty(block_q, dtype=dk.dtype)
+        delta_r = np.empty(block_q, dtype=dk.dtype)
+        for kb in range(chunk_starts[chunk], chunk_starts[chunk + 1]):
+            k0 = kb * block_k
+            n_valid = min(block_k, n_k - k0)
+            tile = bh_kv * n_kb + kb
+            dk_acc[:] = 0.0
+            dv_acc[:] = 0.0
+            for h in range(hk * group, (hk + 1) * group):
+                for qb in range(n_qb):
+                    q0 = qb * block_q
+                    rows = min(block_q, n_q - q0)
+                    if kb >= tile_key_range(q0, q0 + rows, n_q, n_k, block_k, causal)[1]:
+                        continue  # the block sees no key of this tile
+                    for r in range(block_q):
+                        if r < rows:
+                            for dd in range(d):
+                                q_s[r * d_pad + dd] = q[b, h, q0 + r, dd] * scale2
+                            for c in range(n_dv):
+                                do_s[r * dv_pad + c] = dout[b, h, q0 + r, c]
+                            lse_r[r] = lse2[b, h, q0 + r]
+                            delta_r[r] = delta[b, h, q0 + r]
+                        else:  # padding rows: P = 0 and dO = 0, so they add nothing
+                            q_s[r * d_pad:(r + 1) * d_pad] = 0.0
+                            do_s[r * dv_pad:(r + 1) * dv_pad] = 0.0
+                            lse_r[r] = np.inf
+                            delta_r[r] = 0.0
+                    tile_product(s, 0, block_k, q_s, 0, d_pad, 1, kt_flat, tile * d * block_k,
+                                 0, d, block_q, block_k, d, False, portable)
+                    if tile_needs_mask(q0, k0, block_k, n_q, n_k, causal):
+                        mask_tile(s, block_k, rows, q0, k0, block_k, n_q, n_k, causal)
+                    for r in range(block_q):
+                        exp2_shifted_sum(s, r * block_k, block_k, lse_r[r], portable)
+                    tile_product(ds, 0, block_k, do_s, 0, dv_pad, 1, vtt_flat,
+                                 tile * n_dv * block_k, 0, n_dv, block_q, block_k, n_dv,
+                                 False, portable)
+                    for r in range(block_q):
+                        softmax_grad_row(s, ds, r * block_k, block_k, delta_r[r], portable)
+                    # dV += P^T dO and dK += dS^T Q: P and dS read transposed (row stride 1).
+                    # Each product is formed on its own, then added: short sums round less
+                    # than one long running sum over every query row.
+                    tile_product(dv_tile, 0, dv_pad, s, 0, 1, block_k, do_s, 0, dv_pad, 1,
+                                 block_k, dv_pad, block_q, False, portable)
+                    add_into(dv_acc, 0, dv_tile, block_k * dv_pad, portable)
+                    tile_product(dk_tile, 0, d_pad, ds, 0, 1, block_k, q_s, 0, d_pad, 1,
+                                 block_k, d_pad, block_q, False, portable)
+                    add_into(dk_acc, 0, dk_tile, block_k * d_pad, portable)
+                    tile_product(dq_tile, 0, d_pad, ds, 0, block_k, 1, kn_flat,
+                                 tile * block_k * d_pad, 0, block_k, block_q, d_pad, n_valid,
+                                 False, portable)
+                    dq_off = (((chunk * n_b + b) * n_hq + h) * rows_padded + q0) * d_pad
+                    add_into(dq_flat, dq_off, dq_tile, block_q * d_pad, portable)
+            for j in range(n_valid):
+                for dd in range(d):
+                    dk[b, hk, k0 + j, dd] = dk_acc[j * d_pad + dd] * LN2
+                for c in range(n_dv):
+                    dv[b, hk, k0 + j, c] = dv_acc[j * dv_pad + c]
+
+
+def chunk_starts(n_q, n_k, block_k, causal, n_bh_kv):
+    """Key-tile boundaries of the chunks, balanced by work; depends on the shapes only."""
+    n_kb = max(1, -(-n_k // block_k))
+    n_chunks = min(n_kb, -(-TASKS_WANTED // max(1, n_bh_kv)))
+    k0 = np.arange(n_kb) * block_k
+    if causal:  # query rows that see tile kb: those with i + n_k - n_q >= k0
+        work = n_q - np.clip(k0 - (n_k - n_q), 0, n_q)
+    else:
+        work = np.full(n_kb, n_q)
+    work = np.maximum(work, 1).astype(np.float64)
+    cum = np.concatenate([[0.0], np.cumsum(work)])
+    targets = cum[-1] * np.arange(1, n_chunks) / n_chunks
+    inner = np.searchsorted(cum, targets)
+    starts = np.unique(np.concatenate([[0], np.clip(inner, 1, n_kb - 1), [n_kb]]))
+    return starts.astype(np.int64)
+
+
+def run_backward(dout, q, k, v, out, lse, scale, causal, portable):
+    """Gradients for 4-D arrays of one compute dtype; returns contiguous (dq, dk, dv)."""
+    n_b, n_hq, n_q, d = q.shape
+    n_hkv, n_k, n_dv = v.shape[1], v.shape[2], v.shape[3]
+    dtype = q.dtype
+    dq = np.zeros((n_b, n_hq, n_q, d), dtype=dtype)
+    dk = np.zeros((n_b, n_hkv, n_k, d), dtype=dtype)
+    dv = np.zeros((n_b, n_hkv, n_k, n_dv), dtype=dtype)
+    if n_q == 0 or n_k == 0 or dq.size == 0 and dk.size == 0:
+        return dq, dk, dv
+    block_k = config.block_k(d)
+    block_q = config.BLOCK_Q
+    lanes, width = config.lanes(dtype), config.panel_width(dtype)
+    d_pad = -(-d // lanes) * lanes
+    dv_pad = -(-n_dv // lanes) * lanes
+    kt = packed_transposed(k, block_k, width, "keys")
+    vtt = packed_transposed(v, block_k, width, "values_t")
+    kn = packed_rows(k, block_k, lanes, width, "keys_rows")
+    # Row terms: lse in base 2 (+inf where the row saw no key: P = 2^(S - inf) = 0) and
+    # delta_i = rowsum(dO_i * O_i).
+    lse2 = np.where(np.isneginf(lse), np.inf, lse * LOG2_E).astype(dtype)
+    # delta in float64: dS = P * (dP - delta) cancels where dP ~ delta, so delta's rounding
+    # would show directly in the gradients.
+    delta = np.einsum("bhid,bhid->bhi", dout, out, dtype=np.float64).astype(dtype)
+    starts = chunk_starts(n_q, n_k, block_k, causal, n_b * n_hkv)
+    n_qb = -(-n_q // block_q)
+    dq_part = np.zeros((starts.size - 1, n_b, n_hq, n_qb * block_q, d_pad), dtype=dtype)
+    # Contiguous copies of strided q/dout (O(N)) keep to one compiled kernel per dtype.
+    q, dout = np.ascontiguousarray(q), np.ascontiguousarray(dout)
+    backward(q, dout, lse2, delta, kt, vtt, kn, block_q, d_pad, dv_pad, scale * LOG2_E, causal,
+             n_k, starts, portable, dq_part, dk, dv)
+    total = dq_part[0]
+    for part in dq_part[1:]:  # fixed order: the same bits for any thread count
+        total += part
+    np.multiply(total[:, :, :n_q, :d], scale, out=dq)
+    return dq, dk, dv
