@@ -1,0 +1,159 @@
+"""The backward pass against the float64 reference backward and against finite differences."""
+import numpy as np
+import pytest
+
+import cpuflash
+from cpuflash import config, reference
+from conftest import rand
+
+BQ, BK = config.BLOCK_Q, config.BLOCK_K
+
+
+def grads(q, k, v, dout, causal=False, scale=None):
+    out, lse = cpuflash.attention(q, k, v, causal=causal, scale=scale, return_lse=True)
+    return cpuflash.attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
+
+
+def rounding_budget(q, k, want):
+    """A float32 rounding budget per gradient: eps * max|g| * sqrt(Nq + Nk), the growth of
+    rounding error in sums of that many terms (float16 inputs compute in float32 too).
+    test_against_torch_when_installed checks the errors against torch's on the same inputs."""
+    if q.dtype == np.float64:
+        return [0.0, 0.0, 0.0]
+    eps = np.finfo(np.float32).eps
+    return [eps * float(np.max(np.abs(w))) * np.sqrt(q.shape[-2] + k.shape[-2]) for w in want]
+
+
+def check(q, k, v, dout, causal=False, scale=None):
+    got = grads(q, k, v, dout, causal, scale)
+    want = reference.attention_backward(dout, q, k, v, causal=causal, scale=scale)
+    base = rounding_budget(q, k, want)
+    for name, g, w, x, b in zip("qkv", got, want, (q, k, v), base):
+        assert g.shape == x.shape and g.dtype == x.dtype, name
+        if g.size == 0:
+            continue
+        err = float(np.max(np.abs(g.astype(np.float64) - w)))
+        scale_w = max(1.0, float(np.max(np.abs(w))))
+        if x.dtype == np.float64:
+            tol = 1e-12 * scale_w
+        elif x.dtype == np.float32:
+            tol = 4 * b + 1e-6 * scale_w
+        else:
+            tol = 4 * b + 2 * np.finfo(np.float16).eps * scale_w
+        assert err <= tol, f"d{name}: error {err:.3g} > {tol:.3g}"
+    return got
+
+
+@pytest.mark.parametrize("n_q,n_k", [(1, 1), (BQ - 1, BK + 1), (BQ + 1, BK - 1), (37, 200),
+                                     (200, 37), (13, 13)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sequence_lengths(kernels, n_q, n_k, causal):
+    check(rand((1, 2, n_q, 16), seed=1), rand((1, 2, n_k, 16), seed=2),
+          rand((1, 2, n_k, 16), seed=3), rand((1, 2, n_q, 16), seed=4), causal)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_dtypes(kernels, dtype):
+    check(rand((2, 2, 67, 24), dtype, 1), rand((2, 2, 131, 24), dtype, 2),
+          rand((2, 2, 131, 24), dtype, 3), rand((2, 2, 67, 24), dtype, 4), causal=True)
+
+
+@pytest.mark.parametrize("h_kv", [1, 2, 6])
+def test_gqa_sums_over_the_group(kernels, h_kv):
+    check(rand((1, 6, 33, 16), seed=1), rand((1, h_kv, 70, 16), seed=2),
+          rand((1, h_kv, 70, 8), seed=3), rand((1, 6, 33, 8), seed=4), causal=True)
+
+
+@pytest.mark.parametrize("d,dv", [(1, 1), (5, 3), (97, 33), (256, 128)])
+def test_head_dims(kernels, d, dv):
+    check(rand((1, 1, 19, d), seed=1), rand((1, 1, 150, d), seed=2),
+          rand((1, 1, 150, dv), seed=3), rand((1, 1, 19, dv), seed=4), scale=0.3)
+
+
+def test_strided_views_and_ranks():
+    q = rand((40, 3, 16), seed=1).transpose(1, 0, 2)
+    k = rand((3, 50, 16), seed=2)[:, ::-1]
+    v = np.broadcast_to(rand((1, 50, 8), seed=3), (3, 50, 8))
+    dout = rand((3, 40, 8), seed=4)
+    got = check(q, k, v, dout, causal=True)
+    dense = grads(*(np.ascontiguousarray(x) for x in (q, k, v, dout)), causal=True)
+    for g, h in zip(got, dense):
+        assert np.array_equal(g, h)
+    check(q[0], k[0], v[0], dout[0])  # 2-D
+
+
+def test_rows_without_keys_have_zero_gradient(kernels):
+    q, k, v, do = rand((1, 1, 90, 8), seed=1), rand((1, 1, 20, 8), seed=2), rand((1, 1, 20, 8), seed=3), rand((1, 1, 90, 8), seed=4)
+    dq, dk, dv = check(q, k, v, do, causal=True)
+    assert np.all(dq[0, 0, :70] == 0) and np.all(np.isfinite(dq)) and np.all(np.isfinite(dk))
+
+
+def test_finite_differences_float64():
+    rng = np.random.default_rng(7)
+    q, k, v = (rng.standard_normal(s) for s in ((1, 2, 5, 3), (1, 1, 7, 3), (1, 1, 7, 2)))
+    dout = rng.standard_normal((1, 2, 5, 2))
+    dq, dk, dv = grads(q, k, v, dout, causal=True)
+    eps = 1e-6
+    for x, g in ((q, dq), (k, dk), (v, dv)):
+        for idx in np.ndindex(x.shape):
+            old = x[idx]
+            x[idx] = old + eps
+            plus = np.sum(dout * cpuflash.attention(q, k, v, causal=True))
+            x[idx] = old - eps
+            minus = np.sum(dout * cpuflash.attention(q, k, v, causal=True))
+            x[idx] = old
+            assert abs((plus - minus) / (2 * eps) - g[idx]) < 1e-7
+
+
+def test_vjp_matches_forward_and_backward():
+    q, k, v, do = rand((1, 2, 30, 8), seed=1), rand((1, 2, 30, 8), seed=2), rand((1, 2, 30, 8), seed=3), rand((1, 2, 30, 8), seed=4)
+    out, dq, dk, dv = cpuflash.attention_vjp(q, k, v, do, causal=True)
+    assert np.array_equal(out, cpuflash.attention(q, k, v, causal=True))
+    for a, b in zip((dq, dk, dv), grads(q, k, v, do, causal=True)):
+        assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_bitwise_identical_across_threads_and_runs(causal):
+    q, k, v, do = rand((1, 1, 150, 16), seed=1), rand((1, 1, 600, 16), seed=2), rand((1, 1, 600, 16), seed=3), rand((1, 1, 150, 16), seed=4)
+    before = cpuflash.get_num_threads()
+    try:
+        results = []
+        for n in (1, before, before):
+            cpuflash.set_num_threads(n)
+            results.append(grads(q, k, v, do, causal))
+    finally:
+        cpuflash.set_num_threads(before)
+    for r in results[1:]:
+        for a, b in zip(r, results[0]):
+            assert np.array_equal(a, b)
+
+
+def test_against_torch_when_installed():
+    torch = pytest.importorskip("torch")
+    q, k, v, do = rand((1, 4, 100, 32), seed=1), rand((1, 2, 100, 32), seed=2), rand((1, 2, 100, 32), seed=3), rand((1, 4, 100, 32), seed=4)
+    want = reference.attention_backward(do, q, k, v, causal=True)
+    tq, tk, tv = (torch.from_numpy(x).clone().requires_grad_() for x in (q, k, v))
+    torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=True, enable_gqa=True
+                                                     ).backward(torch.from_numpy(do))
+    ours = grads(q, k, v, do, causal=True)
+    for o, t, w in zip(ours, (tq.grad.numpy(), tk.grad.numpy(), tv.grad.numpy()), want):
+        assert np.abs(o - w).max() <= 2 * np.abs(t - w).max() + 1e-6
+
+
+Q, K, V = rand((1, 2, 8, 4)), rand((1, 2, 9, 4)), rand((1, 2, 9, 4))
+OUT, LSE = cpuflash.attention(Q, K, V, return_lse=True)
+
+
+@pytest.mark.parametrize("args,exc,words", [
+    ((rand((1, 2, 8, 3)), Q, K, V, OUT, LSE), ValueError, "dout: expected shape"),
+    ((OUT.astype(np.float64), Q, K, V, OUT, LSE), TypeError, "dout: expected dtype"),
+    ((OUT, Q, K, V, OUT[:, :1], LSE), ValueError, "out: expected shape"),
+    ((OUT, Q, K, V, OUT, LSE[..., :3]), ValueError, "lse: expected shape"),
+    ((OUT, Q, K, V, OUT, LSE.astype(np.float64)), TypeError, "lse: expected dtype"),
+    ((OUT, Q, K, V, OUT, LSE.tolist()), TypeError, "lse: expected a numpy.ndarray"),
+    ((OUT, Q, K, V.astype(np.float64), OUT, LSE), TypeError, "v=float64"),
+])
+def test_bad_input(args, exc, words):
+    with pytest.raises(exc, match=words):
+        cpuflash.attention_backward(*args)
