@@ -1,7 +1,8 @@
 """Forward pass: cpuflash vs torch SDPA vs naive numpy, grouped per shape so that
 pytest-benchmark prints them side by side with ratios.
 
-    python -m pytest bench/test_forward.py --benchmark-group-by=group --benchmark-columns=min,median,ops
+    python -m pytest bench/test_forward.py --benchmark-group-by=group \
+        --benchmark-columns=min,median,ops
 """
 import time
 

@@ -57,6 +57,24 @@ def torch_sdpa():
     return run, torch.__version__
 
 
+def torch_sdpa_grad():
+    """torch's CPU SDPA forward + autograd backward on numpy arrays: returns (dq, dk, dv)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    torch.set_num_threads(_threads())
+
+    def run(q, k, v, dout, causal=False):
+        tq, tk, tv = (torch.from_numpy(x).requires_grad_() for x in (q, k, v))
+        out = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal,
+                                                               enable_gqa=True)
+        out.backward(torch.from_numpy(dout))
+        return tq.grad.numpy(), tk.grad.numpy(), tv.grad.numpy()
+
+    return run
+
+
 def _threads():
     import numba
     return numba.get_num_threads()
@@ -99,9 +117,13 @@ def rss_kib(field):
 
 args = json.loads(sys.argv[1])
 q, k, v = _measure.make_qkv(1, 1, 8, args["d"])
-cpuflash.attention(q, k, v, causal=args["causal"])  # compile / load kernels first
+cpuflash.attention_vjp(q, k, v, q, causal=args["causal"])  # compile / load kernels first
 q, k, v = _measure.make_qkv(args["b"], args["h"], args["n"], args["d"])
 out = np.zeros_like(q)  # touched: its pages count as the output's, not as growth
+if args["impl"] == "cpuflash-grad":  # inputs, output, lse and gradients exist beforehand
+    dout = np.ones_like(q)
+    out, lse = cpuflash.attention(q, k, v, causal=args["causal"], return_lse=True)
+    grads = [np.ones_like(x) for x in (q, k, v)]
 try:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset the peak (VmHWM) to the current RSS
@@ -110,6 +132,9 @@ except OSError:
 before = rss_kib("VmRSS")  # if the reset failed, growth is over- never under-estimated
 if args["impl"] == "cpuflash":
     cpuflash.attention(q, k, v, causal=args["causal"], out=out)
+elif args["impl"] == "cpuflash-grad":
+    del grads  # the call returns fresh gradients: same bytes as those just freed
+    grads = cpuflash.attention_backward(dout, q, k, v, out, lse, causal=args["causal"])
 else:
     out[...] = _measure.naive_attention(q, k, v, args["causal"])
 after = rss_kib("VmHWM")
@@ -118,8 +143,10 @@ print(json.dumps({"growth_bytes": (after - before) * 1024}))
 
 
 def peak_memory_growth(b, h, n, d, causal=False, impl="cpuflash"):
-    """Peak RSS growth in bytes of one forward call in a fresh process, beyond q/k/v/out and
-    the loaded kernels (inputs and output are allocated and touched before the baseline)."""
+    """Peak RSS growth in bytes of one call in a fresh process, beyond its inputs and outputs
+    and the loaded kernels. ``impl``: "cpuflash" (forward; q/k/v/out exist beforehand),
+    "cpuflash-grad" (backward; q/k/v/dout/out/lse and gradient-sized arrays exist beforehand,
+    and are freed just before the call, which makes new gradients of the same size), "naive"."""
     args = json.dumps({"b": b, "h": h, "n": n, "d": d, "causal": causal, "impl": impl})
     env = dict(os.environ)
     proc = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT, args], capture_output=True,
@@ -135,3 +162,16 @@ def max_error_vs_reference(out, q, k, v, causal, heads=1):
     ref = reference.attention(q[:1, :h], k[:1, : max(1, h * k.shape[1] // q.shape[1])],
                               v[:1, : max(1, h * k.shape[1] // q.shape[1])], causal=causal)
     return float(np.max(np.abs(out[:1, :h].astype(np.float64) - ref)))
+
+
+def max_grad_error_vs_reference(grads, q, k, v, dout, causal, heads=1):
+    """Max abs error of (dq, dk, dv) against the float64 reference, on the first query heads
+    (and the kv heads they read; with GQA a kv head's gradient sums its whole group, so the
+    whole group is taken)."""
+    group = q.shape[1] // k.shape[1]
+    hq = max(group, min(heads, q.shape[1]) // group * group)
+    hk = hq // group
+    want = reference.attention_backward(dout[:1, :hq], q[:1, :hq], k[:1, :hk], v[:1, :hk],
+                                        causal=causal)
+    got = (grads[0][:1, :hq], grads[1][:1, :hk], grads[2][:1, :hk])
+    return max(float(np.max(np.abs(g.astype(np.float64) - w))) for g, w in zip(got, want))

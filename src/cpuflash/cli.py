@@ -23,6 +23,13 @@ LONG_SHAPES = DEFAULT_SHAPES + [
     (1, 8, 8192, 128, True),
     (1, 8, 2048, 128, True),
 ]
+BACKWARD_SHAPES = [
+    (1, 8, 512, 64, False),
+    (1, 8, 2048, 64, False),
+    (1, 8, 2048, 64, True),
+    (1, 8, 8192, 64, True),
+]
+LONG_BACKWARD_SHAPES = BACKWARD_SHAPES + [(1, 8, 512, 64, True), (1, 8, 8192, 64, False)]
 NAIVE_MAX_BYTES = 2 << 30  # skip the naive peer when its score matrix would exceed 2 GiB
 
 
@@ -41,7 +48,6 @@ def bench(args):
     if args.threads:
         cpuflash.set_num_threads(args.threads)
     dtype = np.dtype(args.dtype)
-    shapes = args.shape or (LONG_SHAPES if args.long else DEFAULT_SHAPES)
     # torch first: when Numba's OpenMP pool starts before torch's, torch runs 10x slower.
     torch_run, torch_version = (None, None) if args.no_torch else _measure.torch_sdpa()
     if torch_run is not None:
@@ -50,6 +56,33 @@ def bench(args):
     q, k, v = _measure.make_qkv(1, 1, 8, 64, dtype)
     cpuflash.attention(q, k, v)
     t_compile = time.perf_counter() - t_compile
+    report = {}
+    if args.section in ("forward", "all"):
+        shapes = args.shape or (LONG_SHAPES if args.long else DEFAULT_SHAPES)
+        report["forward"] = _bench_forward(args, shapes, dtype, torch_run)
+    if args.section in ("backward", "all"):
+        shapes = args.shape or (LONG_BACKWARD_SHAPES if args.long else BACKWARD_SHAPES)
+        grad_run = None if args.no_torch else _measure.torch_sdpa_grad()
+        report["backward"] = _bench_backward(args, shapes, dtype, grad_run)
+    report["meta"] = {
+        "cpuflash": cpuflash.__version__, "numba": _numba_version(), "numpy": np.__version__,
+        "torch": torch_version, "threads": cpuflash.get_num_threads(),
+        "first_call_s": round(t_compile, 3), "cpu": _cpu_name()}
+    if args.json:
+        json.dump(report, sys.stdout, indent=1)
+        print()
+    else:
+        print(f"\n{json.dumps(report['meta'])}")
+        print("GFLOP/s count 4*B*H*N^2*D for the forward pass, 3.5x that for forward+backward "
+              "(halved for causal); x torch > 1 means cpuflash is faster; peak = RSS growth of "
+              "one call beyond its inputs and outputs, in a fresh process; err = max abs error "
+              "vs the float64 reference (head 0).")
+
+
+def _bench_forward(args, shapes, dtype, torch_run):
+    import cpuflash
+    from cpuflash import _measure
+
     rows = []
     for (b, h, n, d, causal) in shapes:
         q, k, v = _measure.make_qkv(b, h, n, d, dtype, seed=1)
@@ -62,39 +95,62 @@ def bench(args):
             best.update(_measure.time_side_by_side(naive, repeats=min(3, args.repeats)))
             time.sleep(0.3)  # let OpenBLAS's spinning threads go to sleep
         flops = _measure.forward_flops(b, h, n, n, d, causal)
-        out = cpuflash.attention(q, k, v, causal=causal)
-        row = {
-            "B": b, "H": h, "N": n, "D": d, "causal": causal, "dtype": dtype.name,
-            "ms": best["cpuflash"] * 1e3,
-            "gflops": flops / best["cpuflash"] / 1e9,
-            "vs_naive": best["naive"] / best["cpuflash"] if "naive" in best else None,
-            "vs_torch": best["torch"] / best["cpuflash"] if "torch" in best else None,
-            "torch_gflops": flops / best["torch"] / 1e9 if "torch" in best else None,
-            "max_err": _measure.max_error_vs_reference(out, q, k, v, causal),
-        }
+        row = _row(b, h, n, d, causal, dtype, best, flops)
+        row["err"] = _measure.max_error_vs_reference(
+            cpuflash.attention(q, k, v, causal=causal), q, k, v, causal)
         if "torch" in best:
-            row["torch_max_err"] = _measure.max_error_vs_reference(
+            row["torch_err"] = _measure.max_error_vs_reference(
                 torch_run(q, k, v, causal), q, k, v, causal)
         if not args.no_memory:
             row["peak_mib"] = _measure.peak_memory_growth(b, h, n, d, causal) / 2**20
         rows.append(row)
         if not args.json:
-            _print_row(row, first=len(rows) == 1)
-    meta = {"cpuflash": cpuflash.__version__, "numba": _numba_version(), "numpy": np.__version__,
-            "torch": torch_version, "threads": cpuflash.get_num_threads(),
-            "first_call_s": t_compile, "cpu": _cpu_name()}
-    if args.json:
-        json.dump({"meta": meta, "forward": rows}, sys.stdout, indent=1)
-        print()
-    else:
-        print(f"\n{json.dumps(meta)}")
-        print("GFLOP/s count 4*B*H*N^2*D (halved for causal); ratios > 1 mean cpuflash is faster;"
-              " peak = RSS growth of one call beyond q/k/v/out, in a fresh process;"
-              " err = max abs error vs the float64 reference (head 0).")
+            _print_row(row, first=len(rows) == 1, title="forward")
+    return rows
 
 
-def _print_row(row, first):
+def _bench_backward(args, shapes, dtype, grad_run):
+    import cpuflash
+    from cpuflash import _measure
+
+    rows = []
+    for (b, h, n, d, causal) in shapes:
+        q, k, v = _measure.make_qkv(b, h, n, d, dtype, seed=1)
+        dout = _measure.make_qkv(b, h, n, d, dtype, seed=2)[0]
+        fns = {"cpuflash": lambda: cpuflash.attention_vjp(q, k, v, dout, causal=causal)}
+        if grad_run is not None:
+            fns["torch"] = lambda: grad_run(q, k, v, dout, causal)
+        best = _measure.time_side_by_side(fns, repeats=max(2, args.repeats // 2))
+        flops = 3.5 * _measure.forward_flops(b, h, n, n, d, causal)
+        row = _row(b, h, n, d, causal, dtype, best, flops)
+        grads = cpuflash.attention_vjp(q, k, v, dout, causal=causal)[1:]
+        row["err"] = _measure.max_grad_error_vs_reference(grads, q, k, v, dout, causal)
+        if grad_run is not None:
+            row["torch_err"] = _measure.max_grad_error_vs_reference(
+                grad_run(q, k, v, dout, causal), q, k, v, dout, causal)
+        if not args.no_memory:
+            row["peak_mib"] = _measure.peak_memory_growth(b, h, n, d, causal,
+                                                          impl="cpuflash-grad") / 2**20
+        rows.append(row)
+        if not args.json:
+            _print_row(row, first=len(rows) == 1, title="forward + backward")
+    return rows
+
+
+def _row(b, h, n, d, causal, dtype, best, flops):
+    return {
+        "B": b, "H": h, "N": n, "D": d, "causal": causal, "dtype": dtype.name,
+        "ms": best["cpuflash"] * 1e3,
+        "gflops": flops / best["cpuflash"] / 1e9,
+        "vs_naive": best["naive"] / best["cpuflash"] if "naive" in best else None,
+        "vs_torch": best["torch"] / best["cpuflash"] if "torch" in best else None,
+        "torch_gflops": flops / best["torch"] / 1e9 if "torch" in best else None,
+    }
+
+
+def _print_row(row, first, title):
     if first:
+        print(f"\n{title}")
         print(f"{'B':>2} {'H':>3} {'N':>6} {'D':>4} {'causal':>6} | {'ms':>8} {'GFLOP/s':>8} "
               f"{'x naive':>8} {'x torch':>8} {'torch GF/s':>10} | {'peak MiB':>8} "
               f"{'err':>8} {'torch err':>9}")
@@ -105,8 +161,8 @@ def _print_row(row, first):
     print(f"{row['B']:>2} {row['H']:>3} {row['N']:>6} {row['D']:>4} {str(row['causal']):>6} | "
           f"{row['ms']:8.2f} {row['gflops']:8.1f} {fmt(row['vs_naive'], '8.2f'):>8} "
           f"{fmt(row['vs_torch'], '8.2f'):>8} {fmt(row['torch_gflops'], '10.1f'):>10} | "
-          f"{fmt(row.get('peak_mib'), '8.1f'):>8} {row['max_err']:8.1e} "
-          f"{fmt(row.get('torch_max_err'), '9.1e'):>9}", flush=True)
+          f"{fmt(row.get('peak_mib'), '8.1f'):>8} {row['err']:8.1e} "
+          f"{fmt(row.get('torch_err'), '9.1e'):>9}", flush=True)
 
 
 def _numba_version():
@@ -168,6 +224,7 @@ def main(argv=None):
     p_bench.add_argument("--shape", type=_parse_shape, action="append",
                          help="B,H,N,D,causal (repeatable); default: a one-minute set")
     p_bench.add_argument("--long", action="store_true", help="a longer sweep of shapes")
+    p_bench.add_argument("--section", default="all", choices=["forward", "backward", "all"])
     p_bench.add_argument("--dtype", default="float32", choices=["float32", "float64", "float16"])
     p_bench.add_argument("--threads", type=int, default=0, help="threads (default: Numba's)")
     p_bench.add_argument("--repeats", type=int, default=5)

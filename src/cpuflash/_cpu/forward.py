@@ -84,7 +84,8 @@ def forward(q, kt, vt, block_q, scale2, causal, n_k, portable, out, lse):
     """Attention forward on packed K/V.
 
     q: (B, Hq, Nq, D) any strides, float32/float64. kt, vt: from ``pack.packed_kv``.
-    block_q: a multiple of the micro-tile rows. scale2: ``scale * log2(e)``. out: (B, Hq, Nq, dv) contiguous. lse: (B, Hq, Nq), natural log.
+    block_q: a multiple of the micro-tile rows. scale2: ``scale * log2(e)``.
+    out: (B, Hq, Nq, Dv) contiguous. lse: (B, Hq, Nq), natural log.
     """
     n_b, n_hq, n_q, d = q.shape
     dv = out.shape[3]

@@ -113,7 +113,7 @@ def _splat(builder, value, lvt):
 
 @intrinsic
 def vsplat(typingctx, arr, value):
-    """A vector of ``arr``'s element type with every lane ``value`` (``arr`` only gives the type)."""
+    """A vector of ``arr``'s element type with every lane ``value`` (``arr`` gives the type)."""
     vt = _vec_of(arr)
     if vt is None:
         return None
@@ -163,9 +163,9 @@ def _tree_reduce(builder, vec, combine):
     n = vec.type.count
     while n > 1:
         half = n // 2
-        i32 = ir.IntType(32)
-        lo = builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(i32, half), list(range(half))))
-        hi = builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(i32, half), list(range(half, n))))
+        lanes_ty = ir.VectorType(ir.IntType(32), half)
+        lo = builder.shuffle_vector(vec, vec, ir.Constant(lanes_ty, list(range(half))))
+        hi = builder.shuffle_vector(vec, vec, ir.Constant(lanes_ty, list(range(half, n))))
         vec = combine(builder, lo, hi)
         n = half
     return builder.extract_element(vec, ir.Constant(ir.IntType(32), 0))

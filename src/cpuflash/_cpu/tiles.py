@@ -80,6 +80,25 @@ def tile_product(c, c_off, ldc, a, a_off, a_rs, a_ks, b, b_off, b_ld, b_panel, r
 
 
 @helper
+def exp2_shifted2(s, off, n, shift_hi, shift_lo, portable):
+    """``s[j] = 2**((s[j] - shift_hi) - shift_lo)`` in place over ``s[off:off+n]``.
+
+    The shift is carried as two floats, ``hi + lo``: where ``2**(s - shift)`` matters, ``s`` is
+    close to ``hi`` and ``s - hi`` is exact, so the shift's own rounding (half an ulp of a
+    log-sum-exp, 5e-7 at 9.0 in float32) does not enter the probability.
+    """
+    if portable:
+        for j in range(off, off + n):
+            s[j] = np.exp2((s[j] - shift_hi) - shift_lo)
+        return
+    lanes = simd.lanes_of(s)
+    hi_v = simd.vsplat(s, shift_hi)
+    lo_v = simd.vsplat(s, shift_lo)
+    for j in range(off, off + n, lanes):
+        simd.vstore(s, j, simd.vexp2(simd.vsub(simd.vsub(simd.vload(s, j), hi_v), lo_v)))
+
+
+@helper
 def row_max(s, off, n, portable):
     """Max of ``s[off:off+n]``, passing over NaN; ``-inf`` if every entry is ``-inf``."""
     if portable:
@@ -185,3 +204,24 @@ def add_into(acc, off, x, n, portable):
     lanes = simd.lanes_of(acc)
     for j in range(0, n, lanes):
         simd.vstore(acc, off + j, simd.vadd(simd.vload(acc, off + j), simd.vload(x, j)))
+
+
+@helper
+def add_into_compensated(acc, comp, x, n, portable):
+    """``acc[:n] += x[:n]`` with Kahan compensation carried in ``comp``: the running sum's
+    rounding error stays O(eps) however many tiles are added (needs no reassociation, which
+    the kernels' fastmath flags do not allow)."""
+    if portable:
+        for j in range(n):
+            y = x[j] - comp[j]
+            t = acc[j] + y
+            comp[j] = (t - acc[j]) - y
+            acc[j] = t
+        return
+    lanes = simd.lanes_of(acc)
+    for j in range(0, n, lanes):
+        a = simd.vload(acc, j)
+        y = simd.vsub(simd.vload(x, j), simd.vload(comp, j))
+        t = simd.vadd(a, y)
+        simd.vstore(comp, j, simd.vsub(simd.vsub(t, a), y))
+        simd.vstore(acc, j, t)
