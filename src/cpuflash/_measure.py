@@ -80,12 +80,15 @@ def _threads():
     return numba.get_num_threads()
 
 
-def time_side_by_side(fns, repeats=5, budget_s=10.0):
+def time_side_by_side(fns, repeats=5, budget_s=10.0, settle_s=0.5):
     """Best-of-``repeats`` seconds of each zero-argument callable, interleaved round by round
     so that machine noise hits all of them alike. Each is called once first (warm-up).
 
     Do not interleave the naive numpy peer with the others: OpenBLAS's threads spin after each
-    call and steal the cores from whatever runs next (measured: cpuflash 40 % slower)."""
+    call and steal the cores from whatever runs next (measured: cpuflash 40 % slower, and
+    2.3x slower for a few calls after the float64 reference's matmul). For the same reason it
+    first waits ``settle_s`` for any earlier BLAS call's threads to go to sleep."""
+    time.sleep(settle_s)
     for fn in fns.values():
         fn()
     best = {name: float("inf") for name in fns}

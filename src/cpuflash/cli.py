@@ -93,7 +93,6 @@ def _bench_forward(args, shapes, dtype, torch_run):
         if b * h * n * n * dtype.itemsize * 3 <= NAIVE_MAX_BYTES and not args.no_naive:
             naive = {"naive": lambda: _measure.naive_attention(q, k, v, causal)}
             best.update(_measure.time_side_by_side(naive, repeats=min(3, args.repeats)))
-            time.sleep(0.3)  # let OpenBLAS's spinning threads go to sleep
         flops = _measure.forward_flops(b, h, n, n, d, causal)
         row = _row(b, h, n, d, causal, dtype, best, flops)
         row["err"] = _measure.max_error_vs_reference(
