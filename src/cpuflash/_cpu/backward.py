@@ -25,7 +25,7 @@ from numba import prange
 from .. import config
 from ._jit import kernel
 from .forward import mask_tile, tile_key_range, tile_needs_mask
-from .pack import packed_rows, packed_transposed
+from .pack import pack_scaled_rows, packed_rows, packed_transposed
 from .tiles import (add_into, add_into_compensated, exp2_shifted2, softmax_grad_row,
                     tile_product)
 
@@ -35,17 +35,18 @@ TASKS_WANTED = 4  # key chunks per (batch, kv head) are added until there are th
 
 
 @kernel
-def backward(q, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad, scale2,
+def backward(qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad,
              causal, n_k, chunk_starts, portable, dq_part, dk, dv):
-    """q: (B, Hq, Nq, D), dout: (B, Hq, Nq, Dv), any strides. lse2 + lse2_lo: (B, Hq, Nq) lse in
+    """qp: (B, Hq, n_qb * block_q, d_pad) Q times ``scale * log2(e)``, zero-padded, contiguous.
+    dout: (B, Hq, Nq, Dv), contiguous. lse2 + lse2_lo: (B, Hq, Nq) lse in
     base 2 as a sum of two floats, ``+inf`` for rows that see no key (so their P is 0).
     delta: (B, Hq, Nq).
     kt, vtt: K and V tiles transposed, kn: K tiles as rows (pack.py). chunk_starts: key-tile
     boundaries of the chunks. dq_part: (n_chunks, B, Hq, n_qb * block_q, d_pad), zeroed.
     dk: (B, Hkv, Nk, D), dv: (B, Hkv, Nk, Dv), contiguous: written, in units of the result.
     """
-    n_b, n_hq, n_q, d = q.shape
-    n_dv = dout.shape[3]
+    n_b, n_hq, n_q, n_dv = dout.shape
+    d = dk.shape[3]
     n_hkv = kt.shape[0] // n_b
     group = n_hq // n_hkv
     n_chunks = chunk_starts.size - 1
@@ -55,19 +56,22 @@ def backward(q, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad,
     kt_flat, vtt_flat, kn_flat = kt.reshape(-1), vtt.reshape(-1), kn.reshape(-1)
     dq_flat = dq_part.reshape(-1)
     rows_padded = n_qb * block_q
+    # Full dO blocks are read in place when rows are whole vectors; others are copied.
+    direct = n_dv == dv_pad
+    qp_flat, do_flat = qp.reshape(-1), dout.reshape(-1)
+    rows_q = qp.shape[2]
     for task in prange(n_b * n_hkv * n_chunks):
         bh_kv, chunk = divmod(np.int64(task), n_chunks)
         b, hk = divmod(bh_kv, n_hkv)
-        q_s = np.zeros(block_q * d_pad, dtype=dk.dtype)    # Q block in base-2 units
-        do_s = np.zeros(block_q * dv_pad, dtype=dk.dtype)  # dO block
+        do_s = np.zeros(block_q * dv_pad, dtype=dk.dtype)  # dO block, when copied
         s = np.empty(block_q * block_k, dtype=dk.dtype)    # S, then P
         ds = np.empty(block_q * block_k, dtype=dk.dtype)   # dP, then dS
         dk_acc = np.empty(block_k * d_pad, dtype=dk.dtype)
         dv_acc = np.empty(block_k * dv_pad, dtype=dk.dtype)
         dk_comp = np.empty(block_k * d_pad, dtype=dk.dtype)  # Kahan compensation terms
         dv_comp = np.empty(block_k * dv_pad, dtype=dk.dtype)
-        dk_tile = np.empty(block_k * d_pad, dtype=dk.dtype)
-        dv_tile = np.empty(block_k * dv_pad, dtype=dk.dtype)
+        dk_part = np.empty(block_k * d_pad, dtype=dk.dtype)  # one query block's products
+        dv_part = np.empty(block_k * dv_pad, dtype=dk.dtype)
         dq_tile = np.empty(block_q * d_pad, dtype=dk.dtype)
         lse_r = np.empty(block_q, dtype=dk.dtype)
         lse_lo = np.empty(block_q, dtype=dk.dtype)
@@ -86,42 +90,50 @@ def backward(q, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad,
                     rows = min(block_q, n_q - q0)
                     if kb >= tile_key_range(q0, q0 + rows, n_q, n_k, block_k, causal)[1]:
                         continue  # the block sees no key of this tile
+                    row0 = (b * n_hq + h) * n_q + q0
                     for r in range(block_q):
                         if r < rows:
-                            for dd in range(d):
-                                q_s[r * d_pad + dd] = q[b, h, q0 + r, dd] * scale2
-                            for c in range(n_dv):
-                                do_s[r * dv_pad + c] = dout[b, h, q0 + r, c]
                             lse_r[r] = lse2[b, h, q0 + r]
                             lse_lo[r] = lse2_lo[b, h, q0 + r]
                             delta_r[r] = delta[b, h, q0 + r]
                         else:  # padding rows: P = 0 and dO = 0, so they add nothing
-                            q_s[r * d_pad:(r + 1) * d_pad] = 0.0
-                            do_s[r * dv_pad:(r + 1) * dv_pad] = 0.0
                             lse_r[r] = np.inf
                             lse_lo[r] = 0.0
                             delta_r[r] = 0.0
-                    tile_product(s, 0, block_k, q_s, 0, d_pad, 1, kt_flat, tile * d * block_k,
-                                 0, d, block_q, block_k, d, False, portable)
+                    qa, qa_off = qp_flat, ((b * n_hq + h) * rows_q + q0) * d_pad
+                    if direct and rows == block_q:
+                        doa, doa_off = do_flat, row0 * n_dv
+                    else:
+                        do_s[:] = 0.0
+                        for r in range(rows):
+                            for c in range(n_dv):
+                                do_s[r * dv_pad + c] = dout[b, h, q0 + r, c]
+                        doa, doa_off = do_s, 0
+                    # The same product, on the same packed operands, as the forward pass: P
+                    # comes out as the forward's probabilities, consistent with its lse
+                    # (measured: scaling S here instead doubles the dQ error).
+                    tile_product(s, 0, block_k, qa, qa_off, d_pad, 1, kt_flat,
+                                 tile * d * block_k, 0, d, block_q, block_k, d, False, portable)
                     if tile_needs_mask(q0, k0, block_k, n_q, n_k, causal):
-                        mask_tile(s, block_k, rows, q0, k0, block_k, n_q, n_k, causal)
+                        mask_tile(s, block_k, rows, q0, k0, block_k, n_q, n_k, causal, -np.inf)
                     for r in range(block_q):
                         exp2_shifted2(s, r * block_k, block_k, lse_r[r], lse_lo[r], portable)
-                    tile_product(ds, 0, block_k, do_s, 0, dv_pad, 1, vtt_flat,
+                    tile_product(ds, 0, block_k, doa, doa_off, dv_pad, 1, vtt_flat,
                                  tile * n_dv * block_k, 0, n_dv, block_q, block_k, n_dv,
                                  False, portable)
                     for r in range(block_q):
                         softmax_grad_row(s, ds, r * block_k, block_k, delta_r[r], portable)
                     # dV += P^T dO and dK += dS^T Q: P and dS read transposed (row stride 1).
-                    # Each product is formed on its own, then added with compensation: a long
-                    # running sum over every query row would round more (measured at N=8192,
-                    # causal: dV error 2.0e-6 plain, torch 1.3e-6).
-                    tile_product(dv_tile, 0, dv_pad, s, 0, 1, block_k, do_s, 0, dv_pad, 1,
+                    # Each block's products are formed on their own, then added with compensation:
+                    # one long running sum over every query row rounds more (measured at N=8192,
+                    # causal: dV error 2.0e-6 that way; 2.2e-6 summing 4 blocks before each
+                    # compensated add; 1.2e-6 this way; torch 1.3e-6).
+                    tile_product(dv_part, 0, dv_pad, s, 0, 1, block_k, doa, doa_off, dv_pad, 1,
                                  block_k, dv_pad, block_q, False, portable)
-                    add_into_compensated(dv_acc, dv_comp, dv_tile, block_k * dv_pad, portable)
-                    tile_product(dk_tile, 0, d_pad, ds, 0, 1, block_k, q_s, 0, d_pad, 1,
+                    add_into_compensated(dv_acc, dv_comp, dv_part, block_k * dv_pad, portable)
+                    tile_product(dk_part, 0, d_pad, ds, 0, 1, block_k, qa, qa_off, d_pad, 1,
                                  block_k, d_pad, block_q, False, portable)
-                    add_into_compensated(dk_acc, dk_comp, dk_tile, block_k * d_pad, portable)
+                    add_into_compensated(dk_acc, dk_comp, dk_part, block_k * d_pad, portable)
                     tile_product(dq_tile, 0, d_pad, ds, 0, block_k, 1, kn_flat,
                                  tile * block_k * d_pad, 0, block_k, block_q, d_pad, n_valid,
                                  False, portable)
@@ -129,7 +141,7 @@ def backward(q, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad,
                     add_into(dq_flat, dq_off, dq_tile, block_q * d_pad, portable)
             for j in range(n_valid):
                 for dd in range(d):
-                    dk[b, hk, k0 + j, dd] = dk_acc[j * d_pad + dd] * LN2
+                    dk[b, hk, k0 + j, dd] = dk_acc[j * d_pad + dd] * LN2  # Q carried log2(e)
                 for c in range(n_dv):
                     dv[b, hk, k0 + j, c] = dv_acc[j * dv_pad + c]
 
@@ -181,10 +193,13 @@ def run_backward(dout, q, k, v, out, lse, scale, causal, portable):
     starts = chunk_starts(n_q, n_k, block_k, causal, n_b * n_hkv)
     n_qb = -(-n_q // block_q)
     dq_part = np.zeros((starts.size - 1, n_b, n_hq, n_qb * block_q, d_pad), dtype=dtype)
-    # Contiguous copies of strided q/dout (O(N)) keep to one compiled kernel per dtype.
-    q, dout = np.ascontiguousarray(q), np.ascontiguousarray(dout)
-    backward(q, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad,
-             scale * LOG2_E, causal, n_k, starts, portable, dq_part, dk, dv)
+    # Q scaled to base-2 units exactly as the forward pass scales it (a float64 product rounded
+    # once), in zero-padded rows: one O(N) copy that every key tile reads in place.
+    qp = np.zeros((n_b, n_hq, n_qb * block_q, d_pad), dtype=dtype)
+    pack_scaled_rows(q, scale * LOG2_E, qp)
+    dout = np.ascontiguousarray(dout)  # one compiled kernel per dtype
+    backward(qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad,
+             causal, n_k, starts, portable, dq_part, dk, dv)
     total = dq_part[0]
     for part in dq_part[1:]:  # fixed order: the same bits for any thread count
         total += part

@@ -67,8 +67,9 @@ def tile_needs_mask(q0, k0, block_k, n_q, n_k, causal):
 
 
 @helper
-def mask_tile(s, ld, rows, q0, k0, block_k, n_q, n_k, causal):
-    """Set masked scores of the tile to ``-inf``: padding keys, and keys above the diagonal."""
+def mask_tile(s, ld, rows, q0, k0, block_k, n_q, n_k, causal, masked):
+    """Set masked scores of the tile to ``masked`` (``-inf``; ``+inf`` for scores that are
+    multiplied by a negative scale later): padding keys, and keys above the diagonal."""
     offset = n_k - n_q
     for r in range(rows):
         last = n_k - 1
@@ -76,7 +77,7 @@ def mask_tile(s, ld, rows, q0, k0, block_k, n_q, n_k, causal):
             last = min(last, q0 + r + offset)
         first_masked = max(0, last - k0 + 1)
         for j in range(first_masked, block_k):
-            s[r * ld + j] = -np.inf
+            s[r * ld + j] = masked
 
 
 @kernel
@@ -115,7 +116,7 @@ def forward(q, kt, vt, block_q, scale2, causal, n_k, portable, out, lse):
         pv = np.empty(block_q * dv_pad, dtype=out.dtype)
         for r in range(rows):
             for dd in range(d):
-                q_s[r * d + dd] = q[b, h, q0 + r, dd] * scale2
+                q_s[r * d + dd] = q[b, h, q0 + r, dd] * scale2  # as pack.pack_scaled_rows
         kb_lo, kb_hi = tile_key_range(q0, q0 + rows, n_q, n_k, block_k, causal)
         for kb in range(kb_lo, kb_hi):
             k0 = kb * block_k
@@ -123,7 +124,7 @@ def forward(q, kt, vt, block_q, scale2, causal, n_k, portable, out, lse):
                          (bh_kv * kt.shape[1] + kb) * tile_k, 0, d, block_q, block_k, d,
                          False, portable)
             if tile_needs_mask(q0, k0, block_k, n_q, n_k, causal):
-                mask_tile(s, block_k, rows, q0, k0, block_k, n_q, n_k, causal)
+                mask_tile(s, block_k, rows, q0, k0, block_k, n_q, n_k, causal, -np.inf)
             online_softmax(s, block_k, block_q, m_i, l_tile_sums, alpha_i, portable)
             for r in range(block_q):
                 l_i[r] = alpha_i[r] * l_i[r] + l_tile_sums[r]

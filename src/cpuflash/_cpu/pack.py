@@ -83,6 +83,18 @@ def _buffer(name, shape, dtype):
     return buf[:size].reshape(shape)
 
 
+@kernel
+def pack_scaled_rows(x, factor, xp):
+    """``xp[b, h, i, :D] = x[b, h, i, :] * factor`` (product in float64, rounded once, as the
+    forward kernel scales its Q blocks); padding rows and columns of ``xp`` stay as they are."""
+    n_b, n_h, n, d = x.shape
+    for task in prange(n_b * n_h):
+        b, h = divmod(np.int64(task), n_h)
+        for i in range(n):
+            for dd in range(d):
+                xp[b, h, i, dd] = x[b, h, i, dd] * factor
+
+
 def packed_transposed(x, block_k, panel_width, name):
     """(B, H, N, D) -> (B*H, n_blocks, D * block_k): tiles transposed to (D, block_k), panels."""
     n_b, n_h, n, d = x.shape
