@@ -30,6 +30,7 @@ from numba import prange
 
 from .. import config
 from ._jit import helper, kernel
+from .decode import run_decode
 from .pack import packed_kv
 from .tiles import online_softmax, rescale_add, tile_product
 
@@ -163,6 +164,9 @@ def run_forward(q, k, v, scale, causal, portable, out=None):
         out[...] = 0.0
         lse[...] = -np.inf
         return out, lse
+    decoded = run_decode(q, k, v, scale, causal, out) if not portable else None
+    if decoded is not None:
+        return decoded
     block_k = config.block_k(d)
     kt, vt = packed_kv(k, v, block_k, config.lanes(q.dtype), config.panel_width(q.dtype))
     block_q = config.block_q(n_q, d, n_b * n_hq, numba.get_num_threads())

@@ -136,14 +136,12 @@ def exp2_shifted_sum(s, off, n, shift, portable):
 
 @helper
 def exp2_inplace(x, off, n, portable):
-    """``x[off:off+n] = 2**x[off:off+n]`` (n whole vectors)."""
-    if portable:
-        for j in range(n):
-            x[off + j] = np.exp2(x[off + j])
-        return
-    lanes = simd.lanes_of(x)
-    for j in range(0, n, lanes):
+    """``x[off:off+n] = 2**x[off:off+n]``, for any ``n`` (whole vectors, then scalars)."""
+    n_vec = 0 if portable else n // simd.lanes_of(x) * simd.lanes_of(x)
+    for j in range(0, n_vec, simd.lanes_of(x)):
         simd.vstore(x, off + j, simd.vexp2(simd.vload(x, off + j)))
+    for j in range(n_vec, n):
+        x[off + j] = np.exp2(x[off + j])
 
 
 @helper

@@ -1,0 +1,184 @@
+"""Decoding: few queries against a long K/V, read in place. prange over (batch*kv-head, split).
+
+With ``Nq`` small the forward pass is bound by reading K and V, and packing them (as the
+tiled kernel does) would read them twice. Here every task takes one split of the key axis for
+one kv head and all the query rows of its GQA group (``group * Nq`` rows), so each K/V byte is
+read once per call, straight from the caller's array (rows must be unit-stride):
+
+    for each chunk of 16 keys in the split:
+        s[r, :] = q_r . k_j                  # one vector dot product per (row, key)
+        online softmax over the chunk        # as the tiled kernel, base 2
+        acc[r] = alpha * acc[r] + sum_j p[r, j] * v_j
+
+Each split leaves ``m``, ``l`` and an unnormalized ``acc``; ``combine`` merges the splits in
+split order (``out = sum_s acc_s 2^(m_s - M) / sum_s l_s 2^(m_s - M)``). The number of splits
+is a function of the shapes only, so the result is the same for any thread count.
+"""
+import math
+
+import numpy as np
+from numba import prange
+
+from . import simd
+from ._jit import helper, kernel
+from .tiles import online_softmax
+
+LN2 = math.log(2.0)
+LOG2_E = 1.0 / LN2
+CHUNK = 16           # keys per online-softmax step (whole vectors for every lane count)
+KEYS_PER_SPLIT = 1024  # a split's keys: enough work per task, splits enough for the threads
+MAX_NQ = 16          # attention() takes this path for Nq up to this
+
+
+@helper
+def dot_rows(q_s, q_off, kf, k_off, d, d_vec):
+    """``q_s[q_off:q_off+d] . kf[k_off:k_off+d]``: vectors over the first ``d_vec``, then scalars."""
+    acc = simd.vsplat(q_s, 0.0)
+    for dd in range(0, d_vec, simd.lanes_of(q_s)):
+        acc = simd.vfma(simd.vload(q_s, q_off + dd), simd.vload(kf, k_off + dd), acc)
+    total = simd.vhsum(acc)
+    for dd in range(d_vec, d):
+        total += q_s[q_off + dd] * kf[k_off + dd]
+    return total
+
+
+@helper
+def axpy_row(acc, acc_off, p, vf, v_off, dv, dv_vec):
+    """``acc[acc_off:acc_off+dv] += p * vf[v_off:v_off+dv]``."""
+    p_v = simd.vsplat(acc, p)
+    for c in range(0, dv_vec, simd.lanes_of(acc)):
+        simd.vstore(acc, acc_off + c, simd.vfma(p_v, simd.vload(vf, v_off + c),
+                                                 simd.vload(acc, acc_off + c)))
+    for c in range(dv_vec, dv):
+        acc[acc_off + c] += p * vf[v_off + c]
+
+
+@kernel
+def decode(q, kf, k_strides, vf, v_strides, n_hkv, n_k, d, dv, n_splits, scale2, causal,
+           m_part, l_part, acc_part):
+    """q: (B, Hq, Nq, D) any strides. kf, vf: 1-D views from the first element of K and V;
+    element (b, h, j, c) is at ``b*s0 + h*s1 + j*s2 + c`` with ``k_strides = (s0, s1, s2)``.
+    Writes per split: m_part, l_part (n_splits, B, Hq, Nq) and acc_part (..., Dv)."""
+    n_b, n_hq, n_q, _ = q.shape
+    group = n_hq // n_hkv
+    rows = group * n_q
+    lanes = simd.lanes_of(kf)
+    d_vec = d // lanes * lanes
+    dv_vec = dv // lanes * lanes
+    split_len = (n_k + n_splits - 1) // n_splits
+    for task in prange(n_b * n_hkv * n_splits):
+        bh_kv, split = divmod(np.int64(task), n_splits)
+        b, hk = divmod(bh_kv, n_hkv)
+        q_s = np.empty(rows * d, dtype=acc_part.dtype)  # rows (h, i) of the group, scaled
+        for g in range(group):
+            for i in range(n_q):
+                for dd in range(d):
+                    q_s[(g * n_q + i) * d + dd] = q[b, hk * group + g, i, dd] * scale2
+        s = np.empty(rows * CHUNK, dtype=acc_part.dtype)
+        m_i = np.full(rows, -np.inf, dtype=acc_part.dtype)
+        l_i = np.zeros(rows, dtype=acc_part.dtype)
+        l_tile = np.empty(rows, dtype=acc_part.dtype)
+        alpha_i = np.empty(rows, dtype=acc_part.dtype)
+        acc = np.zeros(rows * dv, dtype=acc_part.dtype)
+        j_start = split * split_len
+        j_stop = min(n_k, j_start + split_len)
+        k_head = b * k_strides[0] + hk * k_strides[1]
+        v_head = b * v_strides[0] + hk * v_strides[1]
+        for c0 in range(j_start, j_stop, CHUNK):
+            n_c = min(CHUNK, j_stop - c0)
+            for r in range(rows):
+                i = r % n_q
+                last = n_k - 1 if not causal else min(n_k - 1, i + n_k - n_q)
+                for jj in range(CHUNK):
+                    j = c0 + jj
+                    if jj < n_c and j <= last:
+                        s[r * CHUNK + jj] = dot_rows(q_s, r * d, kf, k_head + j * k_strides[2],
+                                                     d, d_vec)
+                    else:
+                        s[r * CHUNK + jj] = -np.inf
+            online_softmax(s, CHUNK, rows, m_i, l_tile, alpha_i, False)
+            for r in range(rows):
+                l_i[r] = alpha_i[r] * l_i[r] + l_tile[r]
+                if alpha_i[r] != 1.0:
+                    for c in range(dv):
+                        acc[r * dv + c] *= alpha_i[r]
+                for jj in range(n_c):
+                    p = s[r * CHUNK + jj]
+                    if p != 0.0:
+                        axpy_row(acc, r * dv, p, vf, v_head + (c0 + jj) * v_strides[2], dv,
+                                 dv_vec)
+        for g in range(group):
+            for i in range(n_q):
+                r = g * n_q + i
+                h = hk * group + g
+                m_part[split, b, h, i] = m_i[r]
+                l_part[split, b, h, i] = l_i[r]
+                for c in range(dv):
+                    acc_part[split, b, h, i, c] = acc[r * dv + c]
+
+
+@kernel
+def combine(m_part, l_part, acc_part, out, lse):
+    """Merge the splits in split order: out = sum_s acc_s 2^(m_s - M) / sum_s l_s 2^(m_s - M)."""
+    n_s, n_b, n_h, n_q = m_part.shape
+    dv = out.shape[3]
+    for task in prange(n_b * n_h * n_q):
+        bh, i = divmod(np.int64(task), n_q)
+        b, h = divmod(bh, n_h)
+        m = -np.inf
+        for sp in range(n_s):
+            m = max(m, m_part[sp, b, h, i])
+        if m == -np.inf:  # the row sees no key
+            for c in range(dv):
+                out[b, h, i, c] = 0.0
+            lse[b, h, i] = -np.inf
+            continue
+        total = 0.0
+        for c in range(dv):
+            out[b, h, i, c] = 0.0
+        for sp in range(n_s):
+            w = np.exp2(m_part[sp, b, h, i] - m)
+            total += w * l_part[sp, b, h, i]
+            for c in range(dv):
+                out[b, h, i, c] += w * acc_part[sp, b, h, i, c]
+        for c in range(dv):
+            out[b, h, i, c] /= total
+        lse[b, h, i] = (m + np.log2(total)) * LN2
+
+
+def _flat_view(x):
+    """A 1-D view from ``x``'s first element over all of it, and its strides in elements; None
+    unless rows are unit-stride and the other strides are non-negative whole elements."""
+    item = x.itemsize
+    if x.strides[3] != item and x.shape[3] > 1:
+        return None
+    if any(st < 0 or st % item for st in x.strides[:3]):
+        return None
+    steps = tuple(st // item for st in x.strides[:3])
+    span = 1 + sum((n - 1) * st for n, st in zip(x.shape[:3], steps)) + (x.shape[3] - 1)
+    flat = np.lib.stride_tricks.as_strided(x, shape=(span,), strides=(item,), writeable=False)
+    return flat, steps
+
+
+def run_decode(q, k, v, scale, causal, out=None):
+    """The decode path for 4-D arrays of one compute dtype, or None where it does not apply
+    (K or V rows not unit-stride): the caller then takes the tiled path."""
+    n_b, n_hq, n_q, d = q.shape
+    n_hkv, n_k, dv = v.shape[1], v.shape[2], v.shape[3]
+    if n_q > MAX_NQ or n_k == 0 or q.size == 0 or v.size == 0:
+        return None
+    k_view, v_view = _flat_view(k), _flat_view(v)
+    if k_view is None or v_view is None:
+        return None
+    n_splits = max(1, min(64, -(-n_k // KEYS_PER_SPLIT)))
+    dtype = q.dtype
+    m_part = np.empty((n_splits, n_b, n_hq, n_q), dtype=dtype)
+    l_part = np.empty((n_splits, n_b, n_hq, n_q), dtype=dtype)
+    acc_part = np.empty((n_splits, n_b, n_hq, n_q, dv), dtype=dtype)
+    decode(q, k_view[0], k_view[1], v_view[0], v_view[1], n_hkv, n_k, d, dv, n_splits,
+           scale * LOG2_E, causal, m_part, l_part, acc_part)
+    if out is None:
+        out = np.empty((n_b, n_hq, n_q, dv), dtype=dtype)
+    lse = np.empty((n_b, n_hq, n_q), dtype=dtype)
+    combine(m_part, l_part, acc_part, out, lse)
+    return out, lse
