@@ -21,7 +21,7 @@ from numba import prange
 
 from . import simd
 from ._jit import helper, kernel
-from .tiles import online_softmax
+from .tiles import MR, online_softmax, rescale_add, tile_product
 
 LN2 = math.log(2.0)
 LOG2_E = 1.0 / LN2
@@ -65,6 +65,11 @@ def decode(q, kf, k_strides, vf, v_strides, n_hkv, n_k, d, dv, n_splits, scale2,
     lanes = simd.lanes_of(kf)
     d_vec = d // lanes * lanes
     dv_vec = dv // lanes * lanes
+    # P @ V by the micro-kernel, V rows read in place, when they are whole vectors (a padded
+    # read past the last row would leave the array); else one row update per key.
+    tiled = dv == dv_vec
+    rows_pad = (rows + MR - 1) // MR * MR
+    ld = dv  # acc row stride
     split_len = (n_k + n_splits - 1) // n_splits
     for task in prange(n_b * n_hkv * n_splits):
         bh_kv, split = divmod(np.int64(task), n_splits)
@@ -74,12 +79,13 @@ def decode(q, kf, k_strides, vf, v_strides, n_hkv, n_k, d, dv, n_splits, scale2,
             for i in range(n_q):
                 for dd in range(d):
                     q_s[(g * n_q + i) * d + dd] = q[b, hk * group + g, i, dd] * scale2
-        s = np.empty(rows * CHUNK, dtype=acc_part.dtype)
+        s = np.zeros(rows_pad * CHUNK, dtype=acc_part.dtype)  # padding rows stay P = 0
         m_i = np.full(rows, -np.inf, dtype=acc_part.dtype)
         l_i = np.zeros(rows, dtype=acc_part.dtype)
         l_tile = np.empty(rows, dtype=acc_part.dtype)
         alpha_i = np.empty(rows, dtype=acc_part.dtype)
-        acc = np.zeros(rows * dv, dtype=acc_part.dtype)
+        acc = np.zeros(rows_pad * ld, dtype=acc_part.dtype)
+        pv = np.empty(rows_pad * ld, dtype=acc_part.dtype)
         j_start = split * split_len
         j_stop = min(n_k, j_start + split_len)
         k_head = b * k_strides[0] + hk * k_strides[1]
@@ -99,14 +105,17 @@ def decode(q, kf, k_strides, vf, v_strides, n_hkv, n_k, d, dv, n_splits, scale2,
             online_softmax(s, CHUNK, rows, m_i, l_tile, alpha_i, False)
             for r in range(rows):
                 l_i[r] = alpha_i[r] * l_i[r] + l_tile[r]
-                if alpha_i[r] != 1.0:
+            if tiled:
+                tile_product(pv, 0, ld, s, 0, CHUNK, 1, vf, v_head + c0 * v_strides[2],
+                             v_strides[2], 1, rows_pad, dv, n_c, False, False)
+                rescale_add(acc, pv, ld, rows, alpha_i, False)
+            else:
+                for r in range(rows):
                     for c in range(dv):
-                        acc[r * dv + c] *= alpha_i[r]
-                for jj in range(n_c):
-                    p = s[r * CHUNK + jj]
-                    if p != 0.0:
-                        axpy_row(acc, r * dv, p, vf, v_head + (c0 + jj) * v_strides[2], dv,
-                                 dv_vec)
+                        acc[r * ld + c] *= alpha_i[r]
+                    for jj in range(n_c):
+                        axpy_row(acc, r * ld, s[r * CHUNK + jj], vf,
+                                 v_head + (c0 + jj) * v_strides[2], dv, dv_vec)
         for g in range(group):
             for i in range(n_q):
                 r = g * n_q + i
@@ -114,7 +123,7 @@ def decode(q, kf, k_strides, vf, v_strides, n_hkv, n_k, d, dv, n_splits, scale2,
                 m_part[split, b, h, i] = m_i[r]
                 l_part[split, b, h, i] = l_i[r]
                 for c in range(dv):
-                    acc_part[split, b, h, i, c] = acc[r * dv + c]
+                    acc_part[split, b, h, i, c] = acc[r * ld + c]
 
 
 @kernel

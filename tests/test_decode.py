@@ -1,0 +1,82 @@
+"""The decode path (few queries, K/V read in place, split over keys) against the reference."""
+import numpy as np
+import pytest
+
+import cpuflash
+from cpuflash import reference
+from cpuflash._cpu import decode
+from conftest import assert_close_to_reference, rand
+
+
+def check(q, k, v, causal=False):
+    out, lse = cpuflash.attention(q, k, v, causal=causal, return_lse=True)
+    ref, ref_lse = reference.attention(q, k, v, causal=causal, return_lse=True)
+    assert_close_to_reference(out, ref, q, k, v, causal)
+    tol = 1e-12 if q.dtype == np.float64 else 1e-5
+    np.testing.assert_allclose(lse, ref_lse, rtol=tol, atol=tol)
+    return out
+
+
+@pytest.mark.parametrize("n_q", [1, 3, decode.MAX_NQ])
+@pytest.mark.parametrize("h_kv", [1, 2, 4])
+@pytest.mark.parametrize("causal", [False, True])
+def test_decode_against_reference(n_q, h_kv, causal):
+    # 2 * KEYS_PER_SPLIT + 37 keys: three splits, a ragged last split and a ragged last chunk.
+    n_k = 2 * decode.KEYS_PER_SPLIT + 37
+    q = rand((2, 4, n_q, 32), seed=1)
+    k, v = rand((2, h_kv, n_k, 32), seed=2), rand((2, h_kv, n_k, 32), seed=3)
+    assert decode.run_decode(q, k, v, 0.1, causal) is not None  # this path, not the tiled one
+    check(q, k, v, causal)
+
+
+def test_decode_equals_last_rows_of_a_full_forward():
+    q, k, v = rand((1, 4, 40, 16), seed=1), rand((1, 2, 40, 16), seed=2), rand((1, 2, 40, 16), seed=3)
+    full = cpuflash.attention(q, k, v, causal=True)
+    last = cpuflash.attention(q[:, :, -3:], k, v, causal=True)  # bottom-right: same rows
+    np.testing.assert_allclose(last, full[:, :, -3:], rtol=2e-6, atol=2e-7)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float64])
+def test_decode_dtypes(dtype):
+    check(rand((1, 2, 1, 24), dtype, 1), rand((1, 2, 300, 24), dtype, 2),
+          rand((1, 2, 300, 24), dtype, 3))
+
+
+def test_decode_value_width_not_whole_vectors():
+    check(rand((1, 2, 2, 20), seed=1), rand((1, 1, 70, 20), seed=2), rand((1, 1, 70, 5), seed=3))
+
+
+def test_kv_cache_views_are_read_in_place():
+    cache_k, cache_v = rand((1, 2, 512, 16), seed=2), rand((1, 2, 512, 16), seed=3)
+    k, v = cache_k[:, :, :300], cache_v[:, :, :300]  # a partly filled cache: a strided view
+    q = rand((1, 2, 1, 16), seed=1)
+    assert decode.run_decode(q, k, v, 0.25, False) is not None
+    check(q, k, v)
+
+
+def test_rows_with_unit_stride_only():
+    k = rand((1, 1, 16, 50), seed=2).transpose(0, 1, 3, 2)  # rows are not unit-stride
+    v = rand((1, 1, 50, 16), seed=3)
+    q = rand((1, 1, 1, 16), seed=1)
+    assert decode.run_decode(q, k, v, 0.25, False) is None  # the tiled path takes it
+    check(q, k, v)
+
+
+def test_decode_rows_that_see_no_key():
+    q, k, v = rand((1, 1, 5, 8), seed=1), rand((1, 1, 3, 8), seed=2), rand((1, 1, 3, 8), seed=3)
+    out, lse = cpuflash.attention(q, k, v, causal=True, return_lse=True)
+    assert np.all(out[0, 0, :2] == 0) and np.all(lse[0, 0, :2] == -np.inf)
+    check(q, k, v, causal=True)
+
+
+def test_decode_bitwise_identical_across_threads():
+    q, k, v = rand((1, 4, 1, 32), seed=1), rand((1, 2, 5000, 32), seed=2), rand((1, 2, 5000, 32), seed=3)
+    before = cpuflash.get_num_threads()
+    try:
+        outs = []
+        for n in (1, before):
+            cpuflash.set_num_threads(n)
+            outs.append(cpuflash.attention(q, k, v))
+    finally:
+        cpuflash.set_num_threads(before)
+    assert np.array_equal(outs[0], outs[1])
