@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import cpuflash
-from cpuflash import reference
+from cpuflash import masks, reference
 from cpuflash._cpu import decode
 from conftest import assert_close_to_reference, rand
 
@@ -25,7 +25,8 @@ def test_decode_against_reference(n_q, h_kv, causal):
     n_k = 2 * decode.KEYS_PER_SPLIT + 37
     q = rand((2, 4, n_q, 32), seed=1)
     k, v = rand((2, h_kv, n_k, 32), seed=2), rand((2, h_kv, n_k, 32), seed=3)
-    assert decode.run_decode(q, k, v, 0.1, causal) is not None  # this path, not the tiled one
+    band = masks.band(causal, None, None, 2, n_k)
+    assert decode.run_decode(q, k, v, 0.1, band) is not None  # this path, not the tiled one
     check(q, k, v, causal)
 
 
@@ -50,7 +51,7 @@ def test_kv_cache_views_are_read_in_place():
     cache_k, cache_v = rand((1, 2, 512, 16), seed=2), rand((1, 2, 512, 16), seed=3)
     k, v = cache_k[:, :, :300], cache_v[:, :, :300]  # a partly filled cache: a strided view
     q = rand((1, 2, 1, 16), seed=1)
-    assert decode.run_decode(q, k, v, 0.25, False) is not None
+    assert decode.run_decode(q, k, v, 0.25, masks.band(False, None, None, 1, 300)) is not None
     check(q, k, v)
 
 
@@ -58,7 +59,8 @@ def test_rows_with_unit_stride_only():
     k = rand((1, 1, 16, 50), seed=2).transpose(0, 1, 3, 2)  # rows are not unit-stride
     v = rand((1, 1, 50, 16), seed=3)
     q = rand((1, 1, 1, 16), seed=1)
-    assert decode.run_decode(q, k, v, 0.25, False) is None  # the tiled path takes it
+    band = masks.band(False, None, None, 1, 50)
+    assert decode.run_decode(q, k, v, 0.25, band) is None  # the tiled path takes it
     check(q, k, v)
 
 

@@ -1,9 +1,9 @@
 """cpuflash: exact FlashAttention-style softmax attention on the CPU, with Numba kernels."""
 from . import reference
-from .api import (attention, attention_backward, attention_vjp, get_num_threads,
+from .api import (attention, attention_backward, attention_vjp, get_num_threads, merge,
                   set_num_threads)
 
 __version__ = "0.1.0"
 
-__all__ = ["attention", "attention_backward", "attention_vjp", "get_num_threads", "reference",
-           "set_num_threads", "__version__"]
+__all__ = ["attention", "attention_backward", "attention_vjp", "get_num_threads", "merge",
+           "reference", "set_num_threads", "__version__"]

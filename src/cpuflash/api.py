@@ -2,15 +2,16 @@
 import numpy as np
 import numba
 
-from . import _checks, config
+from . import _checks, config, masks
 from ._cpu.backward import run_backward
 from ._cpu.forward import run_forward
 
-__all__ = ["attention", "attention_backward", "attention_vjp", "set_num_threads",
+__all__ = ["attention", "attention_backward", "attention_vjp", "merge", "set_num_threads",
            "get_num_threads"]
 
 
-def attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=None):
+def attention(q, k, v, *, causal=False, scale=None, window=None, kv_lens=None,
+              return_lse=False, out=None):
     """Exact softmax attention, ``softmax(scale * q @ k^T) @ v``, computed tile by tile.
 
     Parameters
@@ -21,12 +22,18 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=None):
     v : ndarray (B, Hkv, Nk, Dv).
     causal : bool. Bottom-right aligned: query ``i`` sees key ``j`` iff ``j <= i + Nk - Nq``.
     scale : float, default ``1 / sqrt(D)``.
+    window : ``(left, right)``: query ``i`` sees keys ``i + off - left <= j <= i + off + right``
+        (``off = Nk - Nq``); ``None`` or ``-1`` for an unbounded side. Tiles outside the band
+        are skipped: cost grows as N * window.
+    kv_lens : int array (B,): keys ``j >= kv_lens[b]`` are ignored (padding, a partly filled
+        KV cache) and never read; ``causal`` and ``window`` then align to ``kv_lens[b]`` in
+        place of ``Nk``, as FlashAttention's kv-cache call.
     return_lse : bool. Also return ``lse`` (B, Hq, Nq): natural-log log-sum-exp of each row's
         scores, float32 (float64 for float64 input); ``-inf`` for a row that sees no key.
     out : ndarray of the output's shape and dtype, written in place and returned.
 
     Any strides are accepted (transposed or broadcast views); float16 computes in float32.
-    A row that sees no key gets output 0.
+    A row that sees no key gets output 0 (and ``lse = -inf``).
     """
     _checks.array("q", q)
     _checks.array("k", k)
@@ -36,8 +43,9 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=None):
     causal = _checks.flag("causal", causal)
     return_lse = _checks.flag("return_lse", return_lse)
     q4, k4, v4 = _checks.as_4d(q), _checks.as_4d(k), _checks.as_4d(v)
-    d, dv = _checks.qkv_shapes(q4, k4, v4)[-2:]
+    n_b, _, _, _, n_k, d, dv = _checks.qkv_shapes(q4, k4, v4)
     scale = _checks.scale(scale, d)
+    band = masks.band(causal, window, kv_lens, n_b, n_k)
     out_shape = q.shape[:-1] + (dv,)
     out = _checks.out_array(out, out_shape, q.dtype)
 
@@ -45,7 +53,7 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=None):
     q4, k4, v4 = (x if x.dtype == compute else x.astype(compute) for x in (q4, k4, v4))
     direct = (out is not None and out.dtype == compute and out.flags.c_contiguous
               and not any(np.may_share_memory(out, x) for x in (q4, k4, v4)))
-    o4, lse = run_forward(q4, k4, v4, scale, causal, config.PORTABLE,
+    o4, lse = run_forward(q4, k4, v4, scale, band, config.PORTABLE,
                           out=_checks.as_4d(out) if direct else None)
 
     result = o4.reshape(out_shape)
@@ -65,12 +73,13 @@ def _compute_dtype(dtype):
     return np.dtype(np.float64 if dtype == np.float64 else np.float32)
 
 
-def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None):
+def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, window=None,
+                       kv_lens=None):
     """Gradients ``(dq, dk, dv)`` of attention, from the forward pass's ``out`` and ``lse``.
 
     ``dout`` is the gradient of the loss with respect to ``out``; ``out, lse`` are what
     ``attention(q, k, v, return_lse=True, ...)`` returned; ``causal`` and ``scale`` must be the
-    forward call's. Probabilities are recomputed tile by tile from ``lse`` (memory O(N)).
+    forward call's, as must ``window`` and ``kv_lens``. Probabilities are recomputed tile by tile from ``lse`` (memory O(N)).
     Returns arrays shaped and typed like ``q``, ``k``, ``v`` (C-contiguous). For GQA, dk/dv
     sum over the query heads of each group. Bitwise the same for any thread count.
     """
@@ -80,8 +89,9 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None):
     _checks.same_dtype(q=q, k=k, v=v)
     causal = _checks.flag("causal", causal)
     q4, k4, v4 = _checks.as_4d(q), _checks.as_4d(k), _checks.as_4d(v)
-    d, dv_dim = _checks.qkv_shapes(q4, k4, v4)[-2:]
+    n_b, _, _, _, n_k, d, dv_dim = _checks.qkv_shapes(q4, k4, v4)
     scale = _checks.scale(scale, d)
+    band = masks.band(causal, window, kv_lens, n_b, n_k)
     out_shape = q.shape[:-1] + (dv_dim,)
     compute = _compute_dtype(q.dtype)
     _checks.matches("dout", dout, out_shape, q.dtype)
@@ -93,18 +103,52 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None):
         return x if x.dtype == compute else x.astype(compute)
 
     dq, dk, dv = run_backward(as_compute(dout), as_compute(q), as_compute(k), as_compute(v),
-                              as_compute(out), lse.reshape(q4.shape[:3]), scale, causal,
+                              as_compute(out), lse.reshape(q4.shape[:3]), scale, band,
                               config.PORTABLE)
     return tuple(g.reshape(x.shape).astype(x.dtype, copy=False)
                  for g, x in ((dq, q), (dk, k), (dv, v)))
 
 
-def attention_vjp(q, k, v, dout, *, causal=False, scale=None):
+def attention_vjp(q, k, v, dout, *, causal=False, scale=None, window=None, kv_lens=None):
     """Forward and backward in one call: returns ``(out, dq, dk, dv)``, the output and the
     vector-Jacobian product of attention with the cotangent ``dout``."""
-    out, lse = attention(q, k, v, causal=causal, scale=scale, return_lse=True)
-    dq, dk, dv = attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
+    opts = dict(causal=causal, scale=scale, window=window, kv_lens=kv_lens)
+    out, lse = attention(q, k, v, return_lse=True, **opts)
+    dq, dk, dv = attention_backward(dout, q, k, v, out, lse, **opts)
     return out, dq, dk, dv
+
+
+def merge(outs, lses):
+    """Combine partial attentions over disjoint key sets into the exact result.
+
+    ``outs[i]`` (..., Nq, Dv) and ``lses[i]`` (..., Nq) are what ``attention(...,
+    return_lse=True)`` returned for the i-th key set. Returns ``(out, lse)`` with
+    ``lse = logsumexp_i lse_i`` and ``out = sum_i out_i * exp(lse_i - lse)``, summed in list
+    order. Rows that no part saw stay 0 with ``lse = -inf``; a part whose row saw no key
+    (``lse_i = -inf``) contributes nothing. Accumulates in float32 (float64 for float64).
+    """
+    if not isinstance(outs, (list, tuple)) or not isinstance(lses, (list, tuple)):
+        raise TypeError("outs, lses: expected lists of arrays")
+    if len(outs) == 0 or len(outs) != len(lses):
+        raise ValueError(f"outs, lses: expected equally long, non-empty lists, got "
+                         f"{len(outs)} and {len(lses)}")
+    if not isinstance(outs[0], np.ndarray) or outs[0].dtype not in _checks.FLOAT_DTYPES:
+        raise TypeError(f"outs[0]: expected a float numpy array, got {type(outs[0]).__name__}")
+    for i, (o, l) in enumerate(zip(outs, lses)):
+        _checks.matches(f"outs[{i}]", o, outs[0].shape, outs[0].dtype)
+        _checks.matches(f"lses[{i}]", l, o.shape[:-1], _compute_dtype(o.dtype))
+    compute = _compute_dtype(outs[0].dtype)
+    lse_all = np.stack(lses).astype(compute, copy=False)
+    m = lse_all.max(axis=0)
+    m_safe = np.where(np.isfinite(m), m, 0.0).astype(compute)
+    weights = [np.exp(l - m_safe) for l in lses]  # exp(-inf) = 0 for parts that saw nothing
+    total = sum(weights[1:], weights[0])
+    acc = sum((w[..., None] * o for w, o in zip(weights[1:], outs[1:])),
+              weights[0][..., None] * outs[0].astype(compute))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out = np.where(total[..., None] > 0, acc / total[..., None], 0.0)
+        lse = np.where(total > 0, m_safe + np.log(total), -np.inf)
+    return out.astype(outs[0].dtype), lse.astype(compute)
 
 
 def set_num_threads(n):

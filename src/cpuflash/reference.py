@@ -14,16 +14,34 @@ def _as_4d(x):
     return np.asarray(x, dtype=np.float64).reshape((1,) * (4 - np.ndim(x)) + np.shape(x))
 
 
-def visible(n_q, n_k, causal=False):
-    """Bool (Nq, Nk): may query i see key j. Causal is aligned bottom-right."""
+def visible(n_q, n_k, causal=False, window=None, kv_len=None):
+    """Bool (Nq, Nk): may query i see key j. Aligned bottom-right to the ``kv_len`` keys that
+    exist (``Nk`` if None): with ``off = kv_len - Nq``, ``j < kv_len``, causal ``j <= i + off``,
+    window ``(left, right)`` ``i + off - left <= j <= i + off + right`` (None/-1: unbounded)."""
+    kv_len = n_k if kv_len is None else int(kv_len)
     i = np.arange(n_q)[:, None]
     j = np.arange(n_k)[None, :]
+    off = kv_len - n_q
+    seen = j < kv_len
     if causal:
-        return j <= i + (n_k - n_q)
-    return np.ones((n_q, n_k), dtype=bool)
+        seen = seen & (j <= i + off)
+    if window is not None:
+        left, right = window
+        if left is not None and left != -1:
+            seen = seen & (j >= i + off - left)
+        if right is not None and right != -1:
+            seen = seen & (j <= i + off + right)
+    return np.broadcast_to(seen, (n_q, n_k))
 
 
-def attention(q, k, v, *, causal=False, scale=None, return_lse=False):
+def _seen(n_b, n_q, n_k, causal, window, kv_lens):
+    """Bool (B, 1, Nq, Nk) from ``visible`` per batch."""
+    lens = [None] * n_b if kv_lens is None else list(kv_lens)
+    return np.stack([visible(n_q, n_k, causal, window, n) for n in lens])[:, None]
+
+
+def attention(q, k, v, *, causal=False, scale=None, window=None, kv_lens=None,
+              return_lse=False):
     """float64 ``softmax(scale * q k^T) v`` with the shapes and semantics of ``cpuflash.attention``.
 
     A row that sees no key gives output 0 and ``lse = -inf``.
@@ -36,7 +54,7 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False):
     v4 = np.repeat(v4, group, axis=1)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     s = scale * np.einsum("bhid,bhjd->bhij", q4, k4)
-    seen = visible(n_q, n_k, causal)
+    seen = _seen(q4.shape[0], n_q, n_k, causal, window, kv_lens)
     s = np.where(seen, s, -np.inf)
     m = s.max(axis=-1, keepdims=True, initial=-np.inf)
     m_safe = np.where(np.isfinite(m), m, 0.0)
@@ -53,7 +71,7 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False):
 
 
 
-def attention_backward(dout, q, k, v, *, causal=False, scale=None):
+def attention_backward(dout, q, k, v, *, causal=False, scale=None, window=None, kv_lens=None):
     """float64 gradients ``(dq, dk, dv)`` of ``sum(dout * attention(q, k, v))``.
 
     ``P = softmax(S)``, ``dV = P^T dO``, ``dP = dO V^T``, ``dS = P * (dP - rowsum(dP * P))``,
@@ -67,7 +85,7 @@ def attention_backward(dout, q, k, v, *, causal=False, scale=None):
     kr, vr = np.repeat(k4, group, axis=1), np.repeat(v4, group, axis=1)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     s = scale * np.einsum("bhid,bhjd->bhij", q4, kr)
-    seen = visible(n_q, n_k, causal)
+    seen = _seen(n_b, n_q, n_k, causal, window, kv_lens)
     s = np.where(seen, s, -np.inf)
     m = s.max(axis=-1, keepdims=True, initial=-np.inf)
     p = np.where(seen, np.exp(s - np.where(np.isfinite(m), m, 0.0)), 0.0)

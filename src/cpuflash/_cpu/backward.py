@@ -24,7 +24,7 @@ from numba import prange
 
 from .. import config
 from ._jit import kernel
-from .forward import mask_tile, tile_key_range, tile_needs_mask
+from .masking import mask_tile, tile_key_range, tile_needs_mask
 from .pack import pack_scaled_rows, packed_rows, packed_transposed
 from .tiles import (add_into, add_into_compensated, exp2_shifted2, softmax_grad_row,
                     tile_product)
@@ -36,9 +36,9 @@ TASKS_WANTED = 4  # key chunks per (batch, kv head) are added until there are th
 
 @kernel
 def backward(qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad,
-             causal, n_k, chunk_starts, portable, dq_part, dk, dv):
+             left, right, kv_lens, chunk_starts, portable, dq_part, dk, dv):
     """qp: (B, Hq, n_qb * block_q, d_pad) Q times ``scale * log2(e)``, zero-padded, contiguous.
-    dout: (B, Hq, Nq, Dv), contiguous. lse2 + lse2_lo: (B, Hq, Nq) lse in
+    dout: (B, Hq, Nq, Dv), contiguous. left, right, kv_lens: the band (masking.py). lse2 + lse2_lo: (B, Hq, Nq) lse in
     base 2 as a sum of two floats, ``+inf`` for rows that see no key (so their P is 0).
     delta: (B, Hq, Nq).
     kt, vtt: K and V tiles transposed, kn: K tiles as rows (pack.py). chunk_starts: key-tile
@@ -63,6 +63,7 @@ def backward(qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad
     for task in prange(n_b * n_hkv * n_chunks):
         bh_kv, chunk = divmod(np.int64(task), n_chunks)
         b, hk = divmod(bh_kv, n_hkv)
+        n_k = kv_lens[b]
         do_s = np.zeros(block_q * dv_pad, dtype=dk.dtype)  # dO block, when copied
         s = np.empty(block_q * block_k, dtype=dk.dtype)    # S, then P
         ds = np.empty(block_q * block_k, dtype=dk.dtype)   # dP, then dS
@@ -78,7 +79,9 @@ def backward(qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad
         delta_r = np.empty(block_q, dtype=dk.dtype)
         for kb in range(chunk_starts[chunk], chunk_starts[chunk + 1]):
             k0 = kb * block_k
-            n_valid = min(block_k, n_k - k0)
+            n_valid = min(block_k, n_k - k0)  # keys past kv_len: gradient 0, V never read
+            if n_valid <= 0:
+                continue
             tile = bh_kv * n_kb + kb
             dk_acc[:] = 0.0
             dv_acc[:] = 0.0
@@ -88,7 +91,8 @@ def backward(qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad
                 for qb in range(n_qb):
                     q0 = qb * block_q
                     rows = min(block_q, n_q - q0)
-                    if kb >= tile_key_range(q0, q0 + rows, n_q, n_k, block_k, causal)[1]:
+                    kb_lo, kb_hi = tile_key_range(q0, q0 + rows, n_q, n_k, block_k, left, right)
+                    if kb < kb_lo or kb >= kb_hi:
                         continue  # the block sees no key of this tile
                     row0 = (b * n_hq + h) * n_q + q0
                     for r in range(block_q):
@@ -114,8 +118,9 @@ def backward(qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad
                     # (measured: scaling S here instead doubles the dQ error).
                     tile_product(s, 0, block_k, qa, qa_off, d_pad, 1, kt_flat,
                                  tile * d * block_k, 0, d, block_q, block_k, d, False, portable)
-                    if tile_needs_mask(q0, k0, block_k, n_q, n_k, causal):
-                        mask_tile(s, block_k, rows, q0, k0, block_k, n_q, n_k, causal, -np.inf)
+                    if tile_needs_mask(q0, q0 + rows, k0, block_k, n_q, n_k, left, right):
+                        mask_tile(s, block_k, rows, q0, k0, block_k, n_q, n_k, left, right,
+                                  -np.inf)
                     for r in range(block_q):
                         exp2_shifted2(s, r * block_k, block_k, lse_r[r], lse_lo[r], portable)
                     tile_product(ds, 0, block_k, doa, doa_off, dv_pad, 1, vtt_flat,
@@ -146,15 +151,16 @@ def backward(qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad
                     dv[b, hk, k0 + j, c] = dv_acc[j * dv_pad + c]
 
 
-def chunk_starts(n_q, n_k, block_k, causal, n_bh_kv):
+def chunk_starts(n_q, n_k, block_k, left, right, n_bh_kv):
     """Key-tile boundaries of the chunks, balanced by work; depends on the shapes only."""
     n_kb = max(1, -(-n_k // block_k))
     n_chunks = min(n_kb, -(-TASKS_WANTED // max(1, n_bh_kv)))
+    # work of tile kb ~ the query rows whose band [i + off - left, i + off + right] meets it
     k0 = np.arange(n_kb) * block_k
-    if causal:  # query rows that see tile kb: those with i + n_k - n_q >= k0
-        work = n_q - np.clip(k0 - (n_k - n_q), 0, n_q)
-    else:
-        work = np.full(n_kb, n_q)
+    off = n_k - n_q
+    i_lo = np.clip(k0 - off - right, 0, n_q)
+    i_hi = np.clip(k0 + block_k - 1 - off + left + 1, 0, n_q)
+    work = i_hi - i_lo
     work = np.maximum(work, 1).astype(np.float64)
     cum = np.concatenate([[0.0], np.cumsum(work)])
     targets = cum[-1] * np.arange(1, n_chunks) / n_chunks
@@ -163,8 +169,10 @@ def chunk_starts(n_q, n_k, block_k, causal, n_bh_kv):
     return starts.astype(np.int64)
 
 
-def run_backward(dout, q, k, v, out, lse, scale, causal, portable):
-    """Gradients for 4-D arrays of one compute dtype; returns contiguous (dq, dk, dv)."""
+def run_backward(dout, q, k, v, out, lse, scale, band, portable):
+    """Gradients for 4-D arrays of one compute dtype; returns contiguous (dq, dk, dv).
+    ``band``: the ``(left, right, kv_lens)`` of masking.py."""
+    left, right, kv_lens = band
     n_b, n_hq, n_q, d = q.shape
     n_hkv, n_k, n_dv = v.shape[1], v.shape[2], v.shape[3]
     dtype = q.dtype
@@ -190,7 +198,7 @@ def run_backward(dout, q, k, v, out, lse, scale, causal, portable):
     # delta in float64: dS = P * (dP - delta) cancels where dP ~ delta, so delta's rounding
     # would show directly in the gradients.
     delta = np.einsum("bhid,bhid->bhi", dout, out, dtype=np.float64).astype(dtype)
-    starts = chunk_starts(n_q, n_k, block_k, causal, n_b * n_hkv)
+    starts = chunk_starts(n_q, n_k, block_k, left, right, n_b * n_hkv)
     n_qb = -(-n_q // block_q)
     dq_part = np.zeros((starts.size - 1, n_b, n_hq, n_qb * block_q, d_pad), dtype=dtype)
     # Q scaled to base-2 units exactly as the forward pass scales it (a float64 product rounded
@@ -199,7 +207,7 @@ def run_backward(dout, q, k, v, out, lse, scale, causal, portable):
     pack_scaled_rows(q, scale * LOG2_E, qp)
     dout = np.ascontiguousarray(dout)  # one compiled kernel per dtype
     backward(qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad,
-             causal, n_k, starts, portable, dq_part, dk, dv)
+             left, right, kv_lens, starts, portable, dq_part, dk, dv)
     total = dq_part[0]
     for part in dq_part[1:]:  # fixed order: the same bits for any thread count
         total += part

@@ -21,6 +21,7 @@ from numba import prange
 
 from . import simd
 from ._jit import helper, kernel
+from .masking import row_band
 from .tiles import MR, online_softmax, rescale_add, tile_product
 
 LN2 = math.log(2.0)
@@ -54,10 +55,12 @@ def axpy_row(acc, acc_off, p, vf, v_off, dv, dv_vec):
 
 
 @kernel
-def decode(q, kf, k_strides, vf, v_strides, n_hkv, n_k, d, dv, n_splits, scale2, causal,
-           m_part, l_part, acc_part):
+def decode(q, kf, k_strides, vf, v_strides, n_hkv, n_k, d, dv, n_splits, scale2, left, right,
+           kv_lens, m_part, l_part, acc_part):
     """q: (B, Hq, Nq, D) any strides. kf, vf: 1-D views from the first element of K and V;
     element (b, h, j, c) is at ``b*s0 + h*s1 + j*s2 + c`` with ``k_strides = (s0, s1, s2)``.
+    left, right, kv_lens: the band of keys each row sees (masking.py); the splits divide the
+    array's ``n_k`` keys, and keys outside a row's band are never read.
     Writes per split: m_part, l_part (n_splits, B, Hq, Nq) and acc_part (..., Dv)."""
     n_b, n_hq, n_q, _ = q.shape
     group = n_hq // n_hkv
@@ -86,18 +89,20 @@ def decode(q, kf, k_strides, vf, v_strides, n_hkv, n_k, d, dv, n_splits, scale2,
         alpha_i = np.empty(rows, dtype=acc_part.dtype)
         acc = np.zeros(rows_pad * ld, dtype=acc_part.dtype)
         pv = np.empty(rows_pad * ld, dtype=acc_part.dtype)
-        j_start = split * split_len
-        j_stop = min(n_k, j_start + split_len)
+        kv_len = kv_lens[b]
+        # The keys of this split that some row of the group sees.
+        j_start = max(split * split_len, row_band(0, n_q, kv_len, left, right)[0])
+        j_stop = min(split * split_len + split_len,
+                     row_band(n_q - 1, n_q, kv_len, left, right)[1] + 1)
         k_head = b * k_strides[0] + hk * k_strides[1]
         v_head = b * v_strides[0] + hk * v_strides[1]
         for c0 in range(j_start, j_stop, CHUNK):
             n_c = min(CHUNK, j_stop - c0)
             for r in range(rows):
-                i = r % n_q
-                last = n_k - 1 if not causal else min(n_k - 1, i + n_k - n_q)
+                first, last = row_band(r % n_q, n_q, kv_len, left, right)
                 for jj in range(CHUNK):
                     j = c0 + jj
-                    if jj < n_c and j <= last:
+                    if jj < n_c and first <= j <= last:
                         s[r * CHUNK + jj] = dot_rows(q_s, r * d, kf, k_head + j * k_strides[2],
                                                      d, d_vec)
                     else:
@@ -169,9 +174,11 @@ def _flat_view(x):
     return flat, steps
 
 
-def run_decode(q, k, v, scale, causal, out=None):
+def run_decode(q, k, v, scale, band, out=None):
     """The decode path for 4-D arrays of one compute dtype, or None where it does not apply
-    (K or V rows not unit-stride): the caller then takes the tiled path."""
+    (K or V rows not unit-stride): the caller then takes the tiled path. ``band``: the
+    ``(left, right, kv_lens)`` of masking.py."""
+    left, right, kv_lens = band
     n_b, n_hq, n_q, d = q.shape
     n_hkv, n_k, dv = v.shape[1], v.shape[2], v.shape[3]
     if n_q > MAX_NQ or n_k == 0 or q.size == 0 or v.size == 0:
@@ -185,7 +192,7 @@ def run_decode(q, k, v, scale, causal, out=None):
     l_part = np.empty((n_splits, n_b, n_hq, n_q), dtype=dtype)
     acc_part = np.empty((n_splits, n_b, n_hq, n_q, dv), dtype=dtype)
     decode(q, k_view[0], k_view[1], v_view[0], v_view[1], n_hkv, n_k, d, dv, n_splits,
-           scale * LOG2_E, causal, m_part, l_part, acc_part)
+           scale * LOG2_E, left, right, kv_lens, m_part, l_part, acc_part)
     if out is None:
         out = np.empty((n_b, n_hq, n_q, dv), dtype=dtype)
     lse = np.empty((n_b, n_hq, n_q), dtype=dtype)

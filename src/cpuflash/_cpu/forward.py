@@ -32,22 +32,11 @@ from .. import config
 from ._jit import helper, kernel
 from .decode import run_decode
 from .pack import packed_kv
+from .masking import mask_tile, tile_key_range, tile_needs_mask
 from .tiles import online_softmax, rescale_add, tile_product
 
 LN2 = math.log(2.0)
 LOG2_E = 1.0 / LN2
-
-
-@helper
-def tile_key_range(q0, q1, n_q, n_k, block_k, causal):
-    """Key tiles ``[kb_lo, kb_hi)`` that rows ``[q0, q1)`` may see (bottom-right causal)."""
-    n_blocks = (n_k + block_k - 1) // block_k
-    if not causal:
-        return 0, n_blocks
-    last_key = q1 - 1 + n_k - n_q  # the last row sees keys j <= last_key
-    if last_key < 0:
-        return 0, 0
-    return 0, min(n_blocks, last_key // block_k + 1)
 
 
 @helper
@@ -59,34 +48,13 @@ def balanced_order(j, n):
     return j // 2 if j % 2 == 0 else n - 1 - j // 2
 
 
-@helper
-def tile_needs_mask(q0, k0, block_k, n_q, n_k, causal):
-    """Whether some score in the tile at keys ``[k0, k0+block_k)`` must be masked."""
-    if k0 + block_k > n_k:  # padding keys in the last tile
-        return True
-    return causal and k0 + block_k - 1 > q0 + n_k - n_q
-
-
-@helper
-def mask_tile(s, ld, rows, q0, k0, block_k, n_q, n_k, causal, masked):
-    """Set masked scores of the tile to ``masked`` (``-inf``; ``+inf`` for scores that are
-    multiplied by a negative scale later): padding keys, and keys above the diagonal."""
-    offset = n_k - n_q
-    for r in range(rows):
-        last = n_k - 1
-        if causal:
-            last = min(last, q0 + r + offset)
-        first_masked = max(0, last - k0 + 1)
-        for j in range(first_masked, block_k):
-            s[r * ld + j] = masked
-
-
 @kernel
-def forward(q, kt, vt, block_q, scale2, causal, n_k, portable, out, lse):
+def forward(q, kt, vt, block_q, scale2, left, right, kv_lens, portable, out, lse):
     """Attention forward on packed K/V.
 
     q: (B, Hq, Nq, D) any strides, float32/float64. kt, vt: from ``pack.packed_kv``.
     block_q: a multiple of the micro-tile rows. scale2: ``scale * log2(e)``.
+    left, right, kv_lens: the band of keys each row sees (masking.py); kv_lens: (B,) int64.
     out: (B, Hq, Nq, Dv) contiguous. lse: (B, Hq, Nq), natural log.
     """
     n_b, n_hq, n_q, d = q.shape
@@ -105,6 +73,7 @@ def forward(q, kt, vt, block_q, scale2, causal, n_k, portable, out, lse):
         qb = balanced_order(qb, n_qb)
         b, h = divmod(bh, n_hq)
         bh_kv = b * n_hkv + h // group
+        n_k = kv_lens[b]
         q0 = qb * block_q
         rows = min(block_q, n_q - q0)
         q_s = np.zeros(block_q * d, dtype=out.dtype)   # Q block, scaled to base-2 units
@@ -118,20 +87,20 @@ def forward(q, kt, vt, block_q, scale2, causal, n_k, portable, out, lse):
         for r in range(rows):
             for dd in range(d):
                 q_s[r * d + dd] = q[b, h, q0 + r, dd] * scale2  # as pack.pack_scaled_rows
-        kb_lo, kb_hi = tile_key_range(q0, q0 + rows, n_q, n_k, block_k, causal)
+        kb_lo, kb_hi = tile_key_range(q0, q0 + rows, n_q, n_k, block_k, left, right)
         for kb in range(kb_lo, kb_hi):
             k0 = kb * block_k
             tile_product(s, 0, block_k, q_s, 0, d, 1, kt_flat,
                          (bh_kv * kt.shape[1] + kb) * tile_k, 0, d, block_q, block_k, d,
                          False, portable)
-            if tile_needs_mask(q0, k0, block_k, n_q, n_k, causal):
-                mask_tile(s, block_k, rows, q0, k0, block_k, n_q, n_k, causal, -np.inf)
+            if tile_needs_mask(q0, q0 + rows, k0, block_k, n_q, n_k, left, right):
+                mask_tile(s, block_k, rows, q0, k0, block_k, n_q, n_k, left, right, -np.inf)
             online_softmax(s, block_k, block_q, m_i, l_tile_sums, alpha_i, portable)
             for r in range(block_q):
                 l_i[r] = alpha_i[r] * l_i[r] + l_tile_sums[r]
             # This tile's P @ V on its own, then acc = alpha * acc + it: each tile's sum is short,
             # which keeps float32 rounding lower than one long running sum over all keys.
-            n_valid = min(block_k, n_k - k0)  # padding keys have P = 0: skip their rows of V
+            n_valid = min(block_k, n_k - k0)  # keys past kv_len have P = 0: V rows never read
             tile_product(pv, 0, dv_pad, s, 0, block_k, 1, vt_flat,
                          (bh_kv * vt.shape[1] + kb) * tile_v, 0, block_k, block_q, dv_pad,
                          n_valid, False, portable)
@@ -147,12 +116,14 @@ def forward(q, kt, vt, block_q, scale2, causal, n_k, portable, out, lse):
                 lse[b, h, q0 + r] = (m_i[r] + np.log2(l_i[r])) * LN2
 
 
-def run_forward(q, k, v, scale, causal, portable, out=None):
+def run_forward(q, k, v, scale, band, portable, out=None):
     """Pack K/V and run the kernel on 4-D arrays of one compute dtype (float32 or float64).
 
     Returns ``out`` (B, Hq, Nq, Dv), contiguous, and ``lse`` (B, Hq, Nq), both in that dtype.
-    ``out``, if given, must be such an array; it is written in place.
+    ``out``, if given, must be such an array; it is written in place. ``band``: the
+    ``(left, right, kv_lens)`` of masking.py.
     """
+    left, right, kv_lens = band
     n_b, n_hq, n_q, d = q.shape
     n_k, dv = v.shape[2], v.shape[3]
     if out is None:
@@ -164,11 +135,11 @@ def run_forward(q, k, v, scale, causal, portable, out=None):
         out[...] = 0.0
         lse[...] = -np.inf
         return out, lse
-    decoded = run_decode(q, k, v, scale, causal, out) if not portable else None
+    decoded = run_decode(q, k, v, scale, band, out) if not portable else None
     if decoded is not None:
         return decoded
     block_k = config.block_k(d)
     kt, vt = packed_kv(k, v, block_k, config.lanes(q.dtype), config.panel_width(q.dtype))
     block_q = config.block_q(n_q, d, n_b * n_hq, numba.get_num_threads())
-    forward(q, kt, vt, block_q, scale * LOG2_E, causal, n_k, portable, out, lse)
+    forward(q, kt, vt, block_q, scale * LOG2_E, left, right, kv_lens, portable, out, lse)
     return out, lse

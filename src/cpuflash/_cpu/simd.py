@@ -147,6 +147,19 @@ vmax = _binary(lambda b, x, y: b.select(b.fcmp_ordered(">", x, y), x, y))
 
 
 @intrinsic
+def vselect_nonzero(typingctx, m, a, b):
+    """Lane by lane: ``a`` where ``m != 0`` (NaN counts as nonzero), else ``b``."""
+    if not isinstance(m, Vec) or not (m == a == b):
+        return None
+
+    def codegen(context, builder, sig, args):
+        zero = ir.Constant(args[0].type, None)
+        return builder.select(builder.fcmp_unordered("!=", args[0], zero), args[1], args[2])
+
+    return a(m, a, b), codegen
+
+
+@intrinsic
 def vfma(typingctx, a, b, c):
     """``a * b + c`` with one rounding."""
     if not isinstance(a, Vec) or not (a == b == c):

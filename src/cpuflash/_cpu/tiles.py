@@ -186,15 +186,20 @@ def rescale_add(acc, tile, ld, rows, alpha_i, portable):
 
 @helper
 def softmax_grad_row(p, dp, off, n, delta, portable):
-    """``dp[off:off+n] = p * (dp - delta)``: dS from dP for one row (``delta = rowsum(dO * O)``)."""
+    """``dp[off:off+n] = p * (dp - delta)``: dS from dP for one row (``delta = rowsum(dO * O)``),
+    and exactly 0 where ``p == 0``: a masked key's dP may be NaN (garbage values past kv_lens)
+    and must not leak into dQ."""
     if portable:
         for j in range(off, off + n):
-            dp[j] = p[j] * (dp[j] - delta)
+            dp[j] = p[j] * (dp[j] - delta) if p[j] != 0.0 else 0.0
         return
     lanes = simd.lanes_of(p)
     delta_v = simd.vsplat(p, delta)
+    zero = simd.vsplat(p, 0.0)
     for j in range(off, off + n, lanes):
-        simd.vstore(dp, j, simd.vmul(simd.vload(p, j), simd.vsub(simd.vload(dp, j), delta_v)))
+        p_v = simd.vload(p, j)
+        ds = simd.vmul(p_v, simd.vsub(simd.vload(dp, j), delta_v))
+        simd.vstore(dp, j, simd.vselect_nonzero(p_v, ds, zero))
 
 
 @helper

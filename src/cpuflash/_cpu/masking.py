@@ -1,0 +1,58 @@
+"""Which keys a query row sees: the band of causal, window and kv_lens, tile by tile.
+
+Row ``i`` of batch ``b`` sees the keys ``first <= j <= last`` with, for ``off = kv_len - Nq``
+(bottom-right alignment to the keys that exist, as FlashAttention's kv-cache call):
+
+    first = max(0, i + off - left)          last = min(kv_len - 1, i + off + right)
+
+``left``/``right`` come from ``window`` (``UNBOUNDED`` for a side without a limit), and
+``causal`` is ``right = min(right, 0)``. The kernels ask three questions per tile, so that
+tiles outside the band are never computed and only tiles that cross its edge pay for
+element-wise masking:
+
+* ``tile_key_range``: the key tiles a block of rows sees at all;
+* ``tile_needs_mask``: whether a visible tile crosses an edge of the band;
+* ``mask_tile``: set the scores outside the band to ``-inf``.
+"""
+from ._jit import helper
+
+UNBOUNDED = 1 << 40  # a window side with no limit (any sequence is shorter)
+
+
+@helper
+def row_band(i, n_q, kv_len, left, right):
+    """Keys ``[first, last]`` that row ``i`` sees; ``first > last`` when it sees none."""
+    off = kv_len - n_q
+    return max(0, i + off - left), min(kv_len - 1, i + off + right)
+
+
+@helper
+def tile_key_range(q0, q1, n_q, kv_len, block_k, left, right):
+    """Key tiles ``[kb_lo, kb_hi)`` that rows ``[q0, q1)`` may see; empty if none."""
+    first = row_band(q0, n_q, kv_len, left, right)[0]
+    last = row_band(q1 - 1, n_q, kv_len, left, right)[1]
+    if last < first or last < 0:
+        return 0, 0
+    return first // block_k, last // block_k + 1
+
+
+@helper
+def tile_needs_mask(q0, q1, k0, block_k, n_q, kv_len, left, right):
+    """Whether some row of ``[q0, q1)`` must not see some key of ``[k0, k0 + block_k)``."""
+    first_hi = row_band(q1 - 1, n_q, kv_len, left, right)[0]  # the largest first key
+    last_lo = row_band(q0, n_q, kv_len, left, right)[1]       # the smallest last key
+    return k0 < first_hi or k0 + block_k - 1 > last_lo
+
+
+@helper
+def mask_tile(s, ld, rows, q0, k0, block_k, n_q, kv_len, left, right, masked):
+    """Set the scores of rows ``q0 + r`` (``r < rows``) for keys outside their band to
+    ``masked`` (``-inf``)."""
+    for r in range(rows):
+        first, last = row_band(q0 + r, n_q, kv_len, left, right)
+        lo = min(block_k, max(0, first - k0))      # tile columns before the band
+        hi = max(lo, min(block_k, last - k0 + 1))  # tile columns in the band end here
+        for j in range(lo):
+            s[r * ld + j] = masked
+        for j in range(hi, block_k):
+            s[r * ld + j] = masked

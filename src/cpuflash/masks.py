@@ -1,0 +1,59 @@
+"""The mask description: ``causal``, ``window`` and ``kv_lens`` checked and reduced to the band
+``(left, right, kv_lens)`` that the kernels take (see ``_cpu/masking.py``).
+
+Query ``i`` of batch ``b`` sees key ``j`` iff ``j < kv_len[b]`` and
+
+    i + off - left <= j <= i + off + right,     off = kv_len[b] - Nq
+
+(bottom-right alignment to the keys that exist), where ``window = (left, right)`` with ``None``
+or ``-1`` for an unbounded side, and ``causal`` caps ``right`` at 0. Without ``kv_lens``,
+``kv_len[b] = Nk``: exactly the alignment of API.md.
+"""
+import numbers
+
+import numpy as np
+
+from ._cpu.masking import UNBOUNDED
+
+
+def window_sides(window):
+    """``(left, right)`` as ints, ``UNBOUNDED`` for a side without a limit."""
+    if window is None:
+        return UNBOUNDED, UNBOUNDED
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise TypeError(f"window: expected (left, right), got {window!r}")
+    sides = []
+    for name, x in zip(("left", "right"), window):
+        if x is None:
+            sides.append(UNBOUNDED)
+            continue
+        if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral):
+            raise TypeError(f"window: {name} side must be an int or None, got {x!r}")
+        if x < -1:
+            raise ValueError(f"window: {name} side must be >= -1 (-1 = unbounded), got {x}")
+        sides.append(UNBOUNDED if x == -1 else int(x))
+    return tuple(sides)
+
+
+def key_lengths(kv_lens, n_b, n_k):
+    """``kv_lens`` as a contiguous int64 array (B,), each in [0, Nk]; ``Nk`` everywhere if None."""
+    if kv_lens is None:
+        return np.full(n_b, n_k, dtype=np.int64)
+    if not isinstance(kv_lens, np.ndarray) or not np.issubdtype(kv_lens.dtype, np.integer):
+        got = kv_lens.dtype if isinstance(kv_lens, np.ndarray) else type(kv_lens).__name__
+        raise TypeError(f"kv_lens: expected an integer numpy array of shape ({n_b},), got {got}")
+    if kv_lens.shape != (n_b,):
+        raise ValueError(f"kv_lens: expected shape ({n_b},) (one length per batch), "
+                         f"got {kv_lens.shape}")
+    if n_b and (kv_lens.min() < 0 or kv_lens.max() > n_k):
+        raise ValueError(f"kv_lens: expected lengths in [0, {n_k}] (Nk), "
+                         f"got values in [{kv_lens.min()}, {kv_lens.max()}]")
+    return np.ascontiguousarray(kv_lens, dtype=np.int64)
+
+
+def band(causal, window, kv_lens, n_b, n_k):
+    """The kernels' ``(left, right, kv_lens)``."""
+    left, right = window_sides(window)
+    if causal:
+        right = min(right, 0)
+    return left, right, key_lengths(kv_lens, n_b, n_k)

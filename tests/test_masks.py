@@ -1,0 +1,145 @@
+"""window, kv_lens and merge, forward and backward, crossed with causal, GQA, Nq != Nk and
+dtypes; property-based where the grid would explode."""
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import cpuflash
+from cpuflash import reference
+from conftest import rand
+
+
+def check_all(q, k, v, dout, **opts):
+    out, lse = cpuflash.attention(q, k, v, return_lse=True, **opts)
+    ref, ref_lse = reference.attention(q, k, v, return_lse=True, **opts)
+    tol = 1e-12 if q.dtype == np.float64 else 2e-5
+    np.testing.assert_allclose(out, ref, rtol=tol, atol=tol)
+    assert np.array_equal(np.isfinite(lse), np.isfinite(ref_lse))
+    seen = np.isfinite(ref_lse)
+    np.testing.assert_allclose(lse[seen], ref_lse[seen], rtol=tol, atol=tol)
+    assert np.all(out[~seen] == 0)
+    grads = cpuflash.attention_backward(dout, q, k, v, out, lse, **opts)
+    want = reference.attention_backward(dout, q, k, v, **opts)
+    for g, w in zip(grads, want):
+        np.testing.assert_allclose(g, w, rtol=tol, atol=tol * 10)
+        assert np.all(np.isfinite(g))
+
+
+@settings(max_examples=40, deadline=None)
+@given(n_q=st.integers(1, 140), n_k=st.integers(1, 300), group=st.sampled_from([1, 2]),
+       causal=st.booleans(), left=st.sampled_from([None, -1, 0, 1, 17, 130]),
+       right=st.sampled_from([None, -1, 0, 3, 64]), use_lens=st.booleans(),
+       seed=st.integers(0, 2**16), portable=st.booleans())
+def test_band_options_against_reference(n_q, n_k, group, causal, left, right, use_lens, seed,
+                                         portable):
+    from cpuflash import config
+    old = config.PORTABLE
+    config.PORTABLE = portable
+    try:
+        rng = np.random.default_rng(seed)
+        q, k, v = rand((2, 2 * group, n_q, 8), seed=seed), rand((2, 2, n_k, 8), seed=seed + 1), \
+            rand((2, 2, n_k, 8), seed=seed + 2)
+        dout = rand((2, 2 * group, n_q, 8), seed=seed + 3)
+        kv_lens = rng.integers(0, n_k + 1, size=2) if use_lens else None
+        window = None if left is None and right is None else (left, right)
+        check_all(q, k, v, dout, causal=causal, window=window, kv_lens=kv_lens)
+    finally:
+        config.PORTABLE = old
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float64])
+def test_band_dtypes(dtype):
+    q, k, v = (rand(s, dtype, i) for i, s in enumerate([(1, 2, 90, 16), (1, 1, 200, 16),
+                                                        (1, 1, 200, 16)]))
+    out = cpuflash.attention(q, k, v, window=(30, 5), kv_lens=np.array([150]))
+    ref = reference.attention(q, k, v, window=(30, 5), kv_lens=np.array([150]))
+    assert out.dtype == dtype
+    tol = 1e-12 if dtype == np.float64 else 4e-3
+    np.testing.assert_allclose(out, ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("n_q", [1, 5, 100])  # decode path and tiled path
+def test_keys_past_kv_lens_are_never_read(n_q):
+    q, k, v, do = rand((2, 2, n_q, 16), seed=1), rand((2, 2, 300, 16), seed=2), \
+        rand((2, 2, 300, 16), seed=3), rand((2, 2, n_q, 16), seed=4)
+    lens = np.array([140, 7])
+    clean = cpuflash.attention_vjp(q, k, v, do, causal=True, kv_lens=lens)
+    k2, v2 = k.copy(), v.copy()
+    for b, n in enumerate(lens):  # an uninitialized cache: NaN and Inf past the fill
+        k2[b, :, n:] = np.nan
+        v2[b, :, n:] = np.inf
+    dirty = cpuflash.attention_vjp(q, k2, v2, do, causal=True, kv_lens=lens)
+    for a, b_ in zip(clean[:3], dirty[:3]):
+        assert np.array_equal(a, b_)
+    dv = dirty[3]
+    assert np.all(dv[0, :, 140:] == 0) and np.all(dv[1, :, 7:] == 0)
+
+
+def test_kv_lens_equal_slicing_the_cache():
+    q, k, v = rand((2, 4, 3, 16), seed=1), rand((2, 2, 64, 16), seed=2), rand((2, 2, 64, 16), seed=3)
+    lens = np.array([40, 64])
+    out = cpuflash.attention(q, k, v, causal=True, kv_lens=lens)
+    for b, n in enumerate(lens):
+        want = cpuflash.attention(q[b:b + 1], k[b:b + 1, :, :n], v[b:b + 1, :, :n], causal=True)
+        np.testing.assert_allclose(out[b:b + 1], want, rtol=1e-5, atol=1e-6)
+
+
+def test_window_matches_dense_band_and_skips_tiles():
+    q, k, v = rand((1, 1, 600, 16), seed=1), rand((1, 1, 600, 16), seed=2), rand((1, 1, 600, 16), seed=3)
+    out = cpuflash.attention(q, k, v, window=(40, 0))
+    want = reference.attention(q, k, v, window=(40, 0))
+    np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-6)
+    np.testing.assert_array_equal(out, cpuflash.attention(q, k, v, window=(40, 7), causal=True))
+
+
+def test_merge_is_exact_over_disjoint_key_sets():
+    q, k, v = rand((2, 2, 7, 8), seed=1), rand((2, 2, 50, 8), seed=2), rand((2, 2, 50, 8), seed=3)
+    cuts = [(0, 13), (13, 14), (14, 50), (50, 50)]  # including an empty key set
+    parts = [cpuflash.attention(q, k[:, :, a:b], v[:, :, a:b], return_lse=True) for a, b in cuts]
+    out, lse = cpuflash.merge([p[0] for p in parts], [p[1] for p in parts])
+    want, want_lse = reference.attention(q, k, v, return_lse=True)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-6)
+
+
+def test_merge_of_rows_that_saw_nothing():
+    out, lse = cpuflash.merge([np.zeros((3, 4), np.float32)] * 2,
+                              [np.full(3, -np.inf, np.float32)] * 2)
+    assert np.all(out == 0) and np.all(lse == -np.inf)
+
+
+Q, K, V = rand((2, 2, 8, 4)), rand((2, 2, 9, 4)), rand((2, 2, 9, 4))
+
+
+@pytest.mark.parametrize("kwargs,exc,words", [
+    ({"window": 5}, TypeError, "window: expected"),
+    ({"window": (1, 2, 3)}, TypeError, "window: expected"),
+    ({"window": (-2, 0)}, ValueError, "window: left side must be >= -1"),
+    ({"window": (0, 1.5)}, TypeError, "window: right side must be an int"),
+    ({"kv_lens": [3, 4]}, TypeError, "kv_lens: expected an integer numpy array"),
+    ({"kv_lens": np.array([3.0, 4.0])}, TypeError, "kv_lens: expected an integer"),
+    ({"kv_lens": np.array([3])}, ValueError, r"kv_lens: expected shape \(2,\)"),
+    ({"kv_lens": np.array([3, 10])}, ValueError, r"kv_lens: expected lengths in \[0, 9\]"),
+    ({"kv_lens": np.array([-1, 3])}, ValueError, "kv_lens: expected lengths"),
+])
+def test_bad_band_arguments(kwargs, exc, words):
+    with pytest.raises(exc, match=words):
+        cpuflash.attention(Q, K, V, **kwargs)
+    out, lse = cpuflash.attention(Q, K, V, return_lse=True)
+    with pytest.raises(exc, match=words):
+        cpuflash.attention_backward(out, Q, K, V, out, lse, **kwargs)
+
+
+@pytest.mark.parametrize("outs,lses,exc,words", [
+    ([], [], ValueError, "non-empty"),
+    ([np.zeros((3, 4), np.float32)], [np.zeros(3, np.float32)] * 2, ValueError, "equally long"),
+    ([np.zeros((3, 4), np.float32)], [np.zeros(4, np.float32)], ValueError, r"lses\[0\]: expected shape"),
+    ([np.zeros((3, 4), np.float32), np.zeros((3, 5), np.float32)], [np.zeros(3, np.float32)] * 2,
+     ValueError, r"outs\[1\]: expected shape"),
+    ([np.zeros((3, 4), np.int32)], [np.zeros(3, np.float32)], TypeError, r"outs\[0\]"),
+    ("x", [], TypeError, "lists"),
+])
+def test_bad_merge_arguments(outs, lses, exc, words):
+    with pytest.raises(exc, match=words):
+        cpuflash.merge(outs, lses)
