@@ -79,7 +79,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, win
 
     ``dout`` is the gradient of the loss with respect to ``out``; ``out, lse`` are what
     ``attention(q, k, v, return_lse=True, ...)`` returned; ``causal`` and ``scale`` must be the
-    forward call's, as must ``window`` and ``kv_lens``. Probabilities are recomputed tile by tile from ``lse`` (memory O(N)).
+    forward call's, as must ``window`` and ``kv_lens``. Probabilities are recomputed tile by
+    tile from ``lse`` (memory O(N)).
     Returns arrays shaped and typed like ``q``, ``k``, ``v`` (C-contiguous). For GQA, dk/dv
     sum over the query heads of each group. Bitwise the same for any thread count.
     """
@@ -134,14 +135,14 @@ def merge(outs, lses):
                          f"{len(outs)} and {len(lses)}")
     if not isinstance(outs[0], np.ndarray) or outs[0].dtype not in _checks.FLOAT_DTYPES:
         raise TypeError(f"outs[0]: expected a float numpy array, got {type(outs[0]).__name__}")
-    for i, (o, l) in enumerate(zip(outs, lses)):
+    for i, (o, part_lse) in enumerate(zip(outs, lses)):
         _checks.matches(f"outs[{i}]", o, outs[0].shape, outs[0].dtype)
-        _checks.matches(f"lses[{i}]", l, o.shape[:-1], _compute_dtype(o.dtype))
+        _checks.matches(f"lses[{i}]", part_lse, o.shape[:-1], _compute_dtype(o.dtype))
     compute = _compute_dtype(outs[0].dtype)
     lse_all = np.stack(lses).astype(compute, copy=False)
     m = lse_all.max(axis=0)
     m_safe = np.where(np.isfinite(m), m, 0.0).astype(compute)
-    weights = [np.exp(l - m_safe) for l in lses]  # exp(-inf) = 0 for parts that saw nothing
+    weights = [np.exp(part - m_safe) for part in lses]  # exp(-inf) = 0: parts that saw nothing
     total = sum(weights[1:], weights[0])
     acc = sum((w[..., None] * o for w, o in zip(weights[1:], outs[1:])),
               weights[0][..., None] * outs[0].astype(compute))

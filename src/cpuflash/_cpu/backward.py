@@ -38,9 +38,9 @@ TASKS_WANTED = 4  # key chunks per (batch, kv head) are added until there are th
 def backward(qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad,
              left, right, kv_lens, chunk_starts, portable, dq_part, dk, dv):
     """qp: (B, Hq, n_qb * block_q, d_pad) Q times ``scale * log2(e)``, zero-padded, contiguous.
-    dout: (B, Hq, Nq, Dv), contiguous. left, right, kv_lens: the band (masking.py). lse2 + lse2_lo: (B, Hq, Nq) lse in
-    base 2 as a sum of two floats, ``+inf`` for rows that see no key (so their P is 0).
-    delta: (B, Hq, Nq).
+    dout: (B, Hq, Nq, Dv), contiguous. left, right, kv_lens: the band (masking.py).
+    lse2 + lse2_lo: (B, Hq, Nq) lse in base 2 as a sum of two floats, ``+inf`` for rows that
+    see no key (so their P is 0). delta: (B, Hq, Nq).
     kt, vtt: K and V tiles transposed, kn: K tiles as rows (pack.py). chunk_starts: key-tile
     boundaries of the chunks. dq_part: (n_chunks, B, Hq, n_qb * block_q, d_pad), zeroed.
     dk: (B, Hkv, Nk, D), dv: (B, Hkv, Nk, Dv), contiguous: written, in units of the result.

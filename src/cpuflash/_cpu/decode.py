@@ -33,7 +33,7 @@ MAX_NQ = 16          # attention() takes this path for Nq up to this
 
 @helper
 def dot_rows(q_s, q_off, kf, k_off, d, d_vec):
-    """``q_s[q_off:q_off+d] . kf[k_off:k_off+d]``: vectors over the first ``d_vec``, then scalars."""
+    """``q_s[q_off:q_off+d] . kf[k_off:k_off+d]``: vectors up to ``d_vec``, then scalars."""
     acc = simd.vsplat(q_s, 0.0)
     for dd in range(0, d_vec, simd.lanes_of(q_s)):
         acc = simd.vfma(simd.vload(q_s, q_off + dd), simd.vload(kf, k_off + dd), acc)
