@@ -1,5 +1,5 @@
-"""window, kv_lens and merge, forward and backward, crossed with causal, GQA, Nq != Nk and
-dtypes; property-based where the grid would explode."""
+"""window, kv_lens, ALiBi, softcap and merge, forward and backward, crossed with causal, GQA,
+Nq != Nk and dtypes; property-based where the grid would explode."""
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -14,7 +14,7 @@ def check_all(q, k, v, dout, **opts):
     out, lse = cpuflash.attention(q, k, v, return_lse=True, **opts)
     ref, ref_lse = reference.attention(q, k, v, return_lse=True, **opts)
     tol = 1e-12 if q.dtype == np.float64 else 2e-5
-    np.testing.assert_allclose(out, ref, rtol=tol, atol=tol)
+    np.testing.assert_allclose(out, ref, rtol=tol, atol=tol * max(1.0, np.abs(ref).max()))
     assert np.array_equal(np.isfinite(lse), np.isfinite(ref_lse))
     seen = np.isfinite(ref_lse)
     np.testing.assert_allclose(lse[seen], ref_lse[seen], rtol=tol, atol=tol)
@@ -30,9 +30,10 @@ def check_all(q, k, v, dout, **opts):
 @given(n_q=st.integers(1, 140), n_k=st.integers(1, 300), group=st.sampled_from([1, 2]),
        causal=st.booleans(), left=st.sampled_from([None, -1, 0, 1, 17, 130]),
        right=st.sampled_from([None, -1, 0, 3, 64]), use_lens=st.booleans(),
+       softcap=st.sampled_from([None, 1.5, 30.0]), alibi=st.sampled_from([None, "h", "bh"]),
        seed=st.integers(0, 2**16), portable=st.booleans())
-def test_band_options_against_reference(n_q, n_k, group, causal, left, right, use_lens, seed,
-                                         portable):
+def test_options_against_reference(n_q, n_k, group, causal, left, right, use_lens, softcap,
+                                   alibi, seed, portable):
     from cpuflash import config
     old = config.PORTABLE
     config.PORTABLE = portable
@@ -43,7 +44,9 @@ def test_band_options_against_reference(n_q, n_k, group, causal, left, right, us
         dout = rand((2, 2 * group, n_q, 8), seed=seed + 3)
         kv_lens = rng.integers(0, n_k + 1, size=2) if use_lens else None
         window = None if left is None and right is None else (left, right)
-        check_all(q, k, v, dout, causal=causal, window=window, kv_lens=kv_lens)
+        slopes = None if alibi is None else rng.uniform(0, 0.3, (2, 2 * group)[-len(alibi):])
+        check_all(q, k, v, dout, causal=causal, window=window, kv_lens=kv_lens,
+                  softcap=softcap, alibi_slopes=slopes)
     finally:
         config.PORTABLE = old
 
@@ -112,7 +115,24 @@ def test_merge_of_rows_that_saw_nothing():
 Q, K, V = rand((2, 2, 8, 4)), rand((2, 2, 9, 4)), rand((2, 2, 9, 4))
 
 
+@pytest.mark.parametrize("n_q", [1, 64])  # decode path and tiled path
+def test_softcap_saturates_and_alibi_prefers_near_keys(n_q):
+    q, k, v = rand((1, 2, n_q, 8), seed=1, scale=20.0), rand((1, 2, 80, 8), seed=2), \
+        rand((1, 2, 80, 8), seed=3)
+    capped = cpuflash.attention(q, k, v, softcap=1e-3)  # every score ~0: uniform weights
+    np.testing.assert_allclose(capped, np.broadcast_to(v.mean(axis=2, keepdims=True),
+                                                       capped.shape), rtol=1e-3, atol=1e-3)
+    near = cpuflash.attention(q * 0, k, v, alibi_slopes=np.array([50.0, 50.0]))
+    np.testing.assert_allclose(near[0, :, -1], v[0, :, -1], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("kwargs,exc,words", [
+    ({"softcap": -1.0}, ValueError, "softcap: expected a finite number > 0"),
+    ({"softcap": float("nan")}, ValueError, "softcap"),
+    ({"softcap": "2"}, TypeError, "softcap"),
+    ({"alibi_slopes": [0.5, 0.5]}, TypeError, "alibi_slopes: expected a real numpy array"),
+    ({"alibi_slopes": np.ones(3)}, ValueError, r"alibi_slopes: expected shape \(2,\)"),
+    ({"alibi_slopes": np.array([np.nan, 1.0])}, ValueError, "alibi_slopes: expected finite"),
     ({"window": 5}, TypeError, "window: expected"),
     ({"window": (1, 2, 3)}, TypeError, "window: expected"),
     ({"window": (-2, 0)}, ValueError, "window: left side must be >= -1"),

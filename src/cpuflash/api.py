@@ -11,7 +11,7 @@ __all__ = ["attention", "attention_backward", "attention_vjp", "merge", "set_num
 
 
 def attention(q, k, v, *, causal=False, scale=None, window=None, kv_lens=None,
-              return_lse=False, out=None):
+              alibi_slopes=None, softcap=None, return_lse=False, out=None):
     """Exact softmax attention, ``softmax(scale * q @ k^T) @ v``, computed tile by tile.
 
     Parameters
@@ -28,6 +28,8 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, kv_lens=None,
     kv_lens : int array (B,): keys ``j >= kv_lens[b]`` are ignored (padding, a partly filled
         KV cache) and never read; ``causal`` and ``window`` then align to ``kv_lens[b]`` in
         place of ``Nk``, as FlashAttention's kv-cache call.
+    alibi_slopes : float array (Hq,) or (B, Hq): ``s -= slope_h * |i + off - j|``.
+    softcap : float > 0: ``s = softcap * tanh(s / softcap)``, applied before ALiBi and masks.
     return_lse : bool. Also return ``lse`` (B, Hq, Nq): natural-log log-sum-exp of each row's
         scores, float32 (float64 for float64 input); ``-inf`` for a row that sees no key.
     out : ndarray of the output's shape and dtype, written in place and returned.
@@ -46,6 +48,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, kv_lens=None,
     n_b, _, _, _, n_k, d, dv = _checks.qkv_shapes(q4, k4, v4)
     scale = _checks.scale(scale, d)
     band = masks.band(causal, window, kv_lens, n_b, n_k)
+    mods = masks.modifiers(softcap, alibi_slopes, n_b, q4.shape[1])
     out_shape = q.shape[:-1] + (dv,)
     out = _checks.out_array(out, out_shape, q.dtype)
 
@@ -53,7 +56,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, kv_lens=None,
     q4, k4, v4 = (x if x.dtype == compute else x.astype(compute) for x in (q4, k4, v4))
     direct = (out is not None and out.dtype == compute and out.flags.c_contiguous
               and not any(np.may_share_memory(out, x) for x in (q4, k4, v4)))
-    o4, lse = run_forward(q4, k4, v4, scale, band, config.PORTABLE,
+    o4, lse = run_forward(q4, k4, v4, scale, band, mods, config.PORTABLE,
                           out=_checks.as_4d(out) if direct else None)
 
     result = o4.reshape(out_shape)
@@ -74,12 +77,12 @@ def _compute_dtype(dtype):
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, window=None,
-                       kv_lens=None):
+                       kv_lens=None, alibi_slopes=None, softcap=None):
     """Gradients ``(dq, dk, dv)`` of attention, from the forward pass's ``out`` and ``lse``.
 
     ``dout`` is the gradient of the loss with respect to ``out``; ``out, lse`` are what
     ``attention(q, k, v, return_lse=True, ...)`` returned; ``causal`` and ``scale`` must be the
-    forward call's, as must ``window`` and ``kv_lens``. Probabilities are recomputed tile by
+    forward call's, as must ``window``, ``kv_lens``, ``alibi_slopes`` and ``softcap``. Probabilities are recomputed tile by
     tile from ``lse`` (memory O(N)).
     Returns arrays shaped and typed like ``q``, ``k``, ``v`` (C-contiguous). For GQA, dk/dv
     sum over the query heads of each group. Bitwise the same for any thread count.
@@ -93,6 +96,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, win
     n_b, _, _, _, n_k, d, dv_dim = _checks.qkv_shapes(q4, k4, v4)
     scale = _checks.scale(scale, d)
     band = masks.band(causal, window, kv_lens, n_b, n_k)
+    mods = masks.modifiers(softcap, alibi_slopes, n_b, q4.shape[1])
     out_shape = q.shape[:-1] + (dv_dim,)
     compute = _compute_dtype(q.dtype)
     _checks.matches("dout", dout, out_shape, q.dtype)
@@ -104,16 +108,18 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, win
         return x if x.dtype == compute else x.astype(compute)
 
     dq, dk, dv = run_backward(as_compute(dout), as_compute(q), as_compute(k), as_compute(v),
-                              as_compute(out), lse.reshape(q4.shape[:3]), scale, band,
+                              as_compute(out), lse.reshape(q4.shape[:3]), scale, band, mods,
                               config.PORTABLE)
     return tuple(g.reshape(x.shape).astype(x.dtype, copy=False)
                  for g, x in ((dq, q), (dk, k), (dv, v)))
 
 
-def attention_vjp(q, k, v, dout, *, causal=False, scale=None, window=None, kv_lens=None):
+def attention_vjp(q, k, v, dout, *, causal=False, scale=None, window=None, kv_lens=None,
+                  alibi_slopes=None, softcap=None):
     """Forward and backward in one call: returns ``(out, dq, dk, dv)``, the output and the
     vector-Jacobian product of attention with the cotangent ``dout``."""
-    opts = dict(causal=causal, scale=scale, window=window, kv_lens=kv_lens)
+    opts = dict(causal=causal, scale=scale, window=window, kv_lens=kv_lens,
+                alibi_slopes=alibi_slopes, softcap=softcap)
     out, lse = attention(q, k, v, return_lse=True, **opts)
     dq, dk, dv = attention_backward(dout, q, k, v, out, lse, **opts)
     return out, dq, dk, dv

@@ -1,5 +1,7 @@
 """The mask description: ``causal``, ``window`` and ``kv_lens`` checked and reduced to the band
-``(left, right, kv_lens)`` that the kernels take (see ``_cpu/masking.py``).
+``(left, right, kv_lens)`` that the kernels take (see ``_cpu/masking.py``); ``softcap`` and
+``alibi_slopes`` checked and reduced to the score modifiers ``(softcap, slopes (B, Hq))``
+(see ``_cpu/scores.py``).
 
 Query ``i`` of batch ``b`` sees key ``j`` iff ``j < kv_len[b]`` and
 
@@ -9,6 +11,7 @@ Query ``i`` of batch ``b`` sees key ``j`` iff ``j < kv_len[b]`` and
 or ``-1`` for an unbounded side, and ``causal`` caps ``right`` at 0. Without ``kv_lens``,
 ``kv_len[b] = Nk``: exactly the alignment of API.md.
 """
+import math
 import numbers
 
 import numpy as np
@@ -57,3 +60,29 @@ def band(causal, window, kv_lens, n_b, n_k):
     if causal:
         right = min(right, 0)
     return left, right, key_lengths(kv_lens, n_b, n_k)
+
+
+def modifiers(softcap, alibi_slopes, n_b, n_hq):
+    """``(softcap, slopes)``: a float (0.0 = off) and a float64 (B, Hq) array (zeros = off)."""
+    if softcap is None:
+        cap = 0.0
+    elif isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap: expected a positive number or None, got {softcap!r}")
+    else:
+        cap = float(softcap)
+        if not math.isfinite(cap) or cap < 0:
+            raise ValueError(f"softcap: expected a finite number > 0 (0 or None = off), got {cap}")
+    if alibi_slopes is None:
+        return cap, np.zeros((n_b, n_hq))
+    if not isinstance(alibi_slopes, np.ndarray) or alibi_slopes.dtype.kind not in "fiu":
+        got = (alibi_slopes.dtype if isinstance(alibi_slopes, np.ndarray)
+               else type(alibi_slopes).__name__)
+        raise TypeError(f"alibi_slopes: expected a real numpy array of shape ({n_hq},) or "
+                        f"({n_b}, {n_hq}), got {got}")
+    if alibi_slopes.shape not in ((n_hq,), (n_b, n_hq)):
+        raise ValueError(f"alibi_slopes: expected shape ({n_hq},) or ({n_b}, {n_hq}), "
+                         f"got {alibi_slopes.shape}")
+    slopes = np.broadcast_to(alibi_slopes.astype(np.float64), (n_b, n_hq))
+    if not np.all(np.isfinite(slopes)):
+        raise ValueError("alibi_slopes: expected finite slopes, got NaN or Inf")
+    return cap, np.ascontiguousarray(slopes)

@@ -40,8 +40,24 @@ def _seen(n_b, n_q, n_k, causal, window, kv_lens):
     return np.stack([visible(n_q, n_k, causal, window, n) for n in lens])[:, None]
 
 
+def _modified(s, n_b, n_q, n_k, kv_lens, softcap, alibi_slopes):
+    """Softcap, then ALiBi, on raw scores (B, H, Nq, Nk); also returns tanh (or None)."""
+    t = None
+    if softcap:
+        t = np.tanh(s / softcap)
+        s = softcap * t
+    if alibi_slopes is not None:
+        slopes = np.broadcast_to(np.asarray(alibi_slopes, np.float64), (n_b, s.shape[1]))
+        lens = np.full(n_b, n_k) if kv_lens is None else np.asarray(kv_lens)
+        i = np.arange(n_q)[:, None]
+        j = np.arange(n_k)[None, :]
+        dist = np.abs(i + (lens[:, None, None] - n_q) - j)  # (B, Nq, Nk)
+        s = s - slopes[:, :, None, None] * dist[:, None]
+    return s, t
+
+
 def attention(q, k, v, *, causal=False, scale=None, window=None, kv_lens=None,
-              return_lse=False):
+              alibi_slopes=None, softcap=None, return_lse=False):
     """float64 ``softmax(scale * q k^T) v`` with the shapes and semantics of ``cpuflash.attention``.
 
     A row that sees no key gives output 0 and ``lse = -inf``.
@@ -54,6 +70,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, kv_lens=None,
     v4 = np.repeat(v4, group, axis=1)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     s = scale * np.einsum("bhid,bhjd->bhij", q4, k4)
+    s, _ = _modified(s, q4.shape[0], n_q, n_k, kv_lens, softcap, alibi_slopes)
     seen = _seen(q4.shape[0], n_q, n_k, causal, window, kv_lens)
     s = np.where(seen, s, -np.inf)
     m = s.max(axis=-1, keepdims=True, initial=-np.inf)
@@ -71,7 +88,8 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, kv_lens=None,
 
 
 
-def attention_backward(dout, q, k, v, *, causal=False, scale=None, window=None, kv_lens=None):
+def attention_backward(dout, q, k, v, *, causal=False, scale=None, window=None, kv_lens=None,
+                       alibi_slopes=None, softcap=None):
     """float64 gradients ``(dq, dk, dv)`` of ``sum(dout * attention(q, k, v))``.
 
     ``P = softmax(S)``, ``dV = P^T dO``, ``dP = dO V^T``, ``dS = P * (dP - rowsum(dP * P))``,
@@ -85,6 +103,7 @@ def attention_backward(dout, q, k, v, *, causal=False, scale=None, window=None, 
     kr, vr = np.repeat(k4, group, axis=1), np.repeat(v4, group, axis=1)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     s = scale * np.einsum("bhid,bhjd->bhij", q4, kr)
+    s, t = _modified(s, n_b, n_q, n_k, kv_lens, softcap, alibi_slopes)
     seen = _seen(n_b, n_q, n_k, causal, window, kv_lens)
     s = np.where(seen, s, -np.inf)
     m = s.max(axis=-1, keepdims=True, initial=-np.inf)
@@ -94,6 +113,8 @@ def attention_backward(dout, q, k, v, *, causal=False, scale=None, window=None, 
     dv = np.einsum("bhij,bhid->bhjd", p, do4)
     dp = np.einsum("bhid,bhjd->bhij", do4, vr)
     ds = p * (dp - (dp * p).sum(axis=-1, keepdims=True))
+    if t is not None:  # through s = softcap * tanh(s_raw / softcap)
+        ds = ds * (1.0 - t * t)
     dq = scale * np.einsum("bhij,bhjd->bhid", ds, kr)
     dk = scale * np.einsum("bhij,bhid->bhjd", ds, q4)
     dk = dk.reshape(n_b, n_hkv, group, n_k, d).sum(axis=2)

@@ -25,6 +25,7 @@ from numba import prange
 from .. import config
 from ._jit import kernel
 from .masking import mask_tile, tile_key_range, tile_needs_mask
+from .scores import modify_row, tanh_grad_row
 from .pack import pack_scaled_rows, packed_rows, packed_transposed
 from .tiles import (add_into, add_into_compensated, exp2_shifted2, softmax_grad_row,
                     tile_product)
@@ -36,9 +37,10 @@ TASKS_WANTED = 4  # key chunks per (batch, kv head) are added until there are th
 
 @kernel
 def backward(qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad,
-             left, right, kv_lens, chunk_starts, portable, dq_part, dk, dv):
+             left, right, kv_lens, softcap2, slopes2, chunk_starts, portable, dq_part, dk, dv):
     """qp: (B, Hq, n_qb * block_q, d_pad) Q times ``scale * log2(e)``, zero-padded, contiguous.
     dout: (B, Hq, Nq, Dv), contiguous. left, right, kv_lens: the band (masking.py).
+    softcap2, slopes2 (B, Hq): score modifiers in base-2 units, 0 for off (scores.py).
     lse2 + lse2_lo: (B, Hq, Nq) lse in base 2 as a sum of two floats, ``+inf`` for rows that
     see no key (so their P is 0). delta: (B, Hq, Nq).
     kt, vtt: K and V tiles transposed, kn: K tiles as rows (pack.py). chunk_starts: key-tile
@@ -60,6 +62,7 @@ def backward(qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad
     direct = n_dv == dv_pad
     qp_flat, do_flat = qp.reshape(-1), dout.reshape(-1)
     rows_q = qp.shape[2]
+    modify = softcap2 != 0.0 or np.any(slopes2 != 0.0)
     for task in prange(n_b * n_hkv * n_chunks):
         bh_kv, chunk = divmod(np.int64(task), n_chunks)
         b, hk = divmod(bh_kv, n_hkv)
@@ -67,6 +70,7 @@ def backward(qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad
         do_s = np.zeros(block_q * dv_pad, dtype=dk.dtype)  # dO block, when copied
         s = np.empty(block_q * block_k, dtype=dk.dtype)    # S, then P
         ds = np.empty(block_q * block_k, dtype=dk.dtype)   # dP, then dS
+        t_cap = np.zeros(block_q * block_k if softcap2 != 0.0 else 0, dtype=dk.dtype)  # tanh
         dk_acc = np.empty(block_k * d_pad, dtype=dk.dtype)
         dv_acc = np.empty(block_k * dv_pad, dtype=dk.dtype)
         dk_comp = np.empty(block_k * d_pad, dtype=dk.dtype)  # Kahan compensation terms
@@ -118,6 +122,10 @@ def backward(qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad
                     # (measured: scaling S here instead doubles the dQ error).
                     tile_product(s, 0, block_k, qa, qa_off, d_pad, 1, kt_flat,
                                  tile * d * block_k, 0, d, block_q, block_k, d, False, portable)
+                    if modify:
+                        for r in range(rows):
+                            modify_row(s, r * block_k, block_k, q0 + r + n_k - n_q, k0,
+                                       softcap2, slopes2[b, h], t_cap, portable)
                     if tile_needs_mask(q0, q0 + rows, k0, block_k, n_q, n_k, left, right):
                         mask_tile(s, block_k, rows, q0, k0, block_k, n_q, n_k, left, right,
                                   -np.inf)
@@ -128,6 +136,9 @@ def backward(qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad
                                  False, portable)
                     for r in range(block_q):
                         softmax_grad_row(s, ds, r * block_k, block_k, delta_r[r], portable)
+                    if softcap2 != 0.0:  # back through the tanh to the raw scores
+                        for r in range(rows):
+                            tanh_grad_row(ds, t_cap, r * block_k, block_k)
                     # dV += P^T dO and dK += dS^T Q: P and dS read transposed (row stride 1).
                     # Each block's products are formed on their own, then added with compensation:
                     # one long running sum over every query row rounds more (measured at N=8192,
@@ -169,10 +180,11 @@ def chunk_starts(n_q, n_k, block_k, left, right, n_bh_kv):
     return starts.astype(np.int64)
 
 
-def run_backward(dout, q, k, v, out, lse, scale, band, portable):
+def run_backward(dout, q, k, v, out, lse, scale, band, mods, portable):
     """Gradients for 4-D arrays of one compute dtype; returns contiguous (dq, dk, dv).
-    ``band``: the ``(left, right, kv_lens)`` of masking.py."""
+    ``band``: the ``(left, right, kv_lens)`` of masking.py; ``mods``: ``(softcap, slopes)``."""
     left, right, kv_lens = band
+    softcap2, slopes2 = mods[0] * LOG2_E, mods[1] * LOG2_E
     n_b, n_hq, n_q, d = q.shape
     n_hkv, n_k, n_dv = v.shape[1], v.shape[2], v.shape[3]
     dtype = q.dtype
@@ -207,7 +219,7 @@ def run_backward(dout, q, k, v, out, lse, scale, band, portable):
     pack_scaled_rows(q, scale * LOG2_E, qp)
     dout = np.ascontiguousarray(dout)  # one compiled kernel per dtype
     backward(qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad,
-             left, right, kv_lens, starts, portable, dq_part, dk, dv)
+             left, right, kv_lens, softcap2, slopes2, starts, portable, dq_part, dk, dv)
     total = dq_part[0]
     for part in dq_part[1:]:  # fixed order: the same bits for any thread count
         total += part

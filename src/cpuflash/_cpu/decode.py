@@ -22,6 +22,7 @@ from numba import prange
 from . import simd
 from ._jit import helper, kernel
 from .masking import row_band
+from .scores import modify_row
 from .tiles import MR, online_softmax, rescale_add, tile_product
 
 LN2 = math.log(2.0)
@@ -56,7 +57,7 @@ def axpy_row(acc, acc_off, p, vf, v_off, dv, dv_vec):
 
 @kernel
 def decode(q, kf, k_strides, vf, v_strides, n_hkv, n_k, d, dv, n_splits, scale2, left, right,
-           kv_lens, m_part, l_part, acc_part):
+           kv_lens, softcap2, slopes2, m_part, l_part, acc_part):
     """q: (B, Hq, Nq, D) any strides. kf, vf: 1-D views from the first element of K and V;
     element (b, h, j, c) is at ``b*s0 + h*s1 + j*s2 + c`` with ``k_strides = (s0, s1, s2)``.
     left, right, kv_lens: the band of keys each row sees (masking.py); the splits divide the
@@ -74,6 +75,8 @@ def decode(q, kf, k_strides, vf, v_strides, n_hkv, n_k, d, dv, n_splits, scale2,
     rows_pad = (rows + MR - 1) // MR * MR
     ld = dv  # acc row stride
     split_len = (n_k + n_splits - 1) // n_splits
+    modify = softcap2 != 0.0 or np.any(slopes2 != 0.0)
+    no_t = np.empty(0, dtype=acc_part.dtype)
     for task in prange(n_b * n_hkv * n_splits):
         bh_kv, split = divmod(np.int64(task), n_splits)
         b, hk = divmod(bh_kv, n_hkv)
@@ -99,13 +102,19 @@ def decode(q, kf, k_strides, vf, v_strides, n_hkv, n_k, d, dv, n_splits, scale2,
         for c0 in range(j_start, j_stop, CHUNK):
             n_c = min(CHUNK, j_stop - c0)
             for r in range(rows):
-                first, last = row_band(r % n_q, n_q, kv_len, left, right)
+                i = r % n_q
+                first, last = row_band(i, n_q, kv_len, left, right)
                 for jj in range(CHUNK):
                     j = c0 + jj
+                    s[r * CHUNK + jj] = 0.0
                     if jj < n_c and first <= j <= last:
                         s[r * CHUNK + jj] = dot_rows(q_s, r * d, kf, k_head + j * k_strides[2],
                                                      d, d_vec)
-                    else:
+                if modify:
+                    modify_row(s, r * CHUNK, CHUNK, i + kv_len - n_q, c0, softcap2,
+                               slopes2[b, hk * group + r // n_q], no_t, False)
+                for jj in range(CHUNK):  # masked after the modifiers, as the tiled kernel
+                    if not (jj < n_c and first <= c0 + jj <= last):
                         s[r * CHUNK + jj] = -np.inf
             online_softmax(s, CHUNK, rows, m_i, l_tile, alpha_i, False)
             for r in range(rows):
@@ -174,11 +183,12 @@ def _flat_view(x):
     return flat, steps
 
 
-def run_decode(q, k, v, scale, band, out=None):
+def run_decode(q, k, v, scale, band, mods, out=None):
     """The decode path for 4-D arrays of one compute dtype, or None where it does not apply
     (K or V rows not unit-stride): the caller then takes the tiled path. ``band``: the
     ``(left, right, kv_lens)`` of masking.py."""
     left, right, kv_lens = band
+    softcap2, slopes2 = mods[0] * LOG2_E, mods[1] * LOG2_E
     n_b, n_hq, n_q, d = q.shape
     n_hkv, n_k, dv = v.shape[1], v.shape[2], v.shape[3]
     if n_q > MAX_NQ or n_k == 0 or q.size == 0 or v.size == 0:
@@ -192,7 +202,7 @@ def run_decode(q, k, v, scale, band, out=None):
     l_part = np.empty((n_splits, n_b, n_hq, n_q), dtype=dtype)
     acc_part = np.empty((n_splits, n_b, n_hq, n_q, dv), dtype=dtype)
     decode(q, k_view[0], k_view[1], v_view[0], v_view[1], n_hkv, n_k, d, dv, n_splits,
-           scale * LOG2_E, left, right, kv_lens, m_part, l_part, acc_part)
+           scale * LOG2_E, left, right, kv_lens, softcap2, slopes2, m_part, l_part, acc_part)
     if out is None:
         out = np.empty((n_b, n_hq, n_q, dv), dtype=dtype)
     lse = np.empty((n_b, n_hq, n_q), dtype=dtype)

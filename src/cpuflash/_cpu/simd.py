@@ -142,8 +142,49 @@ def _binary(op):
 vadd = _binary(lambda b, x, y: b.fadd(x, y))
 vsub = _binary(lambda b, x, y: b.fsub(x, y))
 vmul = _binary(lambda b, x, y: b.fmul(x, y))
-# max that lets a NaN in ``y`` through (``x > y`` is false for NaN): call it as vmax(m, s).
-vmax = _binary(lambda b, x, y: b.select(b.fcmp_ordered(">", x, y), x, y))
+vdiv = _binary(lambda b, x, y: b.fdiv(x, y))
+# max that passes over a NaN in ``y`` (``y > x`` is false for NaN): as vmax(running, new), the
+# running max never turns NaN. A NaN score still reaches the output: 2^(NaN - m) is NaN.
+vmax = _binary(lambda b, x, y: b.select(b.fcmp_ordered(">", y, x), y, x))
+
+
+@intrinsic
+def vabs(typingctx, v):
+    """|v| lane by lane (clears the sign bit; NaN stays NaN)."""
+    if not isinstance(v, Vec):
+        return None
+
+    def codegen(context, builder, sig, args):
+        fabs = _vector_intrinsic(builder, "llvm.fabs", args[0].type, 1)
+        return builder.call(fabs, [args[0]])
+
+    return v(v), codegen
+
+
+@intrinsic
+def viota(typingctx, arr):
+    """The vector ``[0, 1, ..., W-1]`` of ``arr``'s element type."""
+    vt = _vec_of(arr)
+    if vt is None:
+        return None
+
+    def codegen(context, builder, sig, args):
+        lvt = context.get_value_type(vt)
+        return ir.Constant(lvt, [float(i) for i in range(vt.width)])
+
+    return vt(arr), codegen
+
+
+@intrinsic
+def vwhere_lt(typingctx, a, b, x, y):
+    """Lane by lane: ``x`` where ``a < b``, else ``y`` (NaN compares false: ``y``)."""
+    if not isinstance(a, Vec) or not (a == b == x == y):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.select(builder.fcmp_ordered("<", args[0], args[1]), args[2], args[3])
+
+    return a(a, b, x, y), codegen
 
 
 @intrinsic

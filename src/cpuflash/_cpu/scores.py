@@ -1,0 +1,103 @@
+"""Score modifiers applied to each score tile right after ``S = Q K^T``, before masking.
+
+All in base-2 units (the kernels fold ``log2(e)`` into Q, and the caller folds it into the
+constants here):
+
+* softcap: ``s = c * tanh(s / c)`` (``c = softcap * log2(e)``; in natural units the same
+  formula with ``softcap``).
+* ALiBi: ``s -= slope * |i + off - j|`` (``slope = alibi_slope * log2(e)``).
+
+``tanh`` by two branches, both computed, one selected per lane: for ``|y| < 1/4`` its odd
+Taylor series to ``y^9`` (truncation < 1e-8 relative), so small scores keep their relative
+precision; above, ``(1 - e) / (1 + e)`` with ``e = 2^(-2 |y| log2(e)) <= 0.61``, which does not
+cancel. The backward pass needs ``tanh`` again for ``ds_raw = ds * (1 - t^2)``: ``modify_row``
+leaves ``t`` in ``t_out`` when asked.
+"""
+import math
+
+import numpy as np
+
+from . import simd
+from ._jit import helper
+
+LOG2_E = 1.0 / math.log(2.0)
+TANH_SERIES = (1.0, -1.0 / 3.0, 2.0 / 15.0, -17.0 / 315.0, 62.0 / 2835.0)  # y, y^3, ..., y^9
+SERIES_BELOW = 0.25
+
+
+@helper
+def tanh_scalar(y):
+    a = abs(y)
+    if a < SERIES_BELOW:
+        y2 = y * y
+        return y * (1.0 + y2 * (-1.0 / 3.0 + y2 * (2.0 / 15.0 + y2 * (-17.0 / 315.0
+                                                                    + y2 * (62.0 / 2835.0)))))
+    e = np.exp2(-2.0 * a * LOG2_E)
+    t = (1.0 - e) / (1.0 + e)
+    return t if y >= 0 else -t
+
+
+@helper
+def tanh_vec(s, y, small):
+    """tanh of the vector ``y`` (``s`` gives the element type; ``small`` = SERIES_BELOW)."""
+    y2 = simd.vmul(y, y)
+    poly = simd.vsplat(s, TANH_SERIES[4])
+    poly = simd.vfma(poly, y2, simd.vsplat(s, TANH_SERIES[3]))
+    poly = simd.vfma(poly, y2, simd.vsplat(s, TANH_SERIES[2]))
+    poly = simd.vfma(poly, y2, simd.vsplat(s, TANH_SERIES[1]))
+    poly = simd.vfma(poly, y2, simd.vsplat(s, TANH_SERIES[0]))
+    a = simd.vabs(y)
+    e = simd.vexp2(simd.vmul(a, simd.vsplat(s, -2.0 * LOG2_E)))
+    one = simd.vsplat(s, 1.0)
+    t_abs = simd.vdiv(simd.vsub(one, e), simd.vadd(one, e))
+    zero = simd.vsplat(s, 0.0)
+    t = simd.vwhere_lt(y, zero, simd.vsub(zero, t_abs), t_abs)
+    return simd.vwhere_lt(a, small, simd.vmul(y, poly), t)
+
+
+@helper
+def modify_row(s, off, n, i_rel, k0, softcap2, slope2, t_out, portable):
+    """Softcap then ALiBi on the scores ``s[off:off+n]`` of a row whose keys start at ``k0``.
+
+    ``i_rel = i + kv_len - Nq``: the query's position among the keys. ``softcap2 = 0`` and
+    ``slope2 = 0`` turn the modifiers off. ``t_out`` (same layout as ``s``, or empty) keeps
+    ``tanh`` for the backward pass.
+    """
+    keep_t = t_out.size > 0
+    if portable:
+        for j in range(n):
+            x = s[off + j]
+            if softcap2 != 0.0:
+                t = tanh_scalar(x / softcap2)
+                if keep_t:
+                    t_out[off + j] = t
+                x = softcap2 * t
+            if slope2 != 0.0:
+                x -= slope2 * abs(i_rel - (k0 + j))
+            s[off + j] = x
+        return
+    lanes = simd.lanes_of(s)
+    inv_cap = simd.vsplat(s, 1.0 / softcap2 if softcap2 != 0.0 else 0.0)
+    cap = simd.vsplat(s, softcap2)
+    small = simd.vsplat(s, SERIES_BELOW)
+    neg_slope = simd.vsplat(s, -slope2)
+    iota = simd.viota(s)
+    for j in range(0, n, lanes):
+        x = simd.vload(s, off + j)
+        if softcap2 != 0.0:
+            y = simd.vmul(x, inv_cap)
+            t = tanh_vec(s, y, small)
+            if keep_t:
+                simd.vstore(t_out, off + j, t)
+            x = simd.vmul(cap, t)
+        if slope2 != 0.0:
+            dist = simd.vabs(simd.vsub(simd.vsplat(s, i_rel - (k0 + j)), iota))
+            x = simd.vfma(neg_slope, dist, x)
+        simd.vstore(s, off + j, x)
+
+
+@helper
+def tanh_grad_row(ds, t, off, n):
+    """``ds[off:off+n] *= 1 - t^2``: through ``s = c * tanh(s_raw / c)`` back to ``s_raw``."""
+    for j in range(off, off + n):
+        ds[j] *= 1.0 - t[j] * t[j]
