@@ -8,6 +8,11 @@ from cpuflash._cpu import decode
 from conftest import assert_close_to_reference, rand
 
 
+def no_mods(q):
+    """No softcap and no ALiBi, for the (B, Hq) of ``q``."""
+    return masks.modifiers(None, None, q.shape[0], q.shape[1])
+
+
 def check(q, k, v, causal=False):
     out, lse = cpuflash.attention(q, k, v, causal=causal, return_lse=True)
     ref, ref_lse = reference.attention(q, k, v, causal=causal, return_lse=True)
@@ -26,7 +31,7 @@ def test_decode_against_reference(n_q, h_kv, causal):
     q = rand((2, 4, n_q, 32), seed=1)
     k, v = rand((2, h_kv, n_k, 32), seed=2), rand((2, h_kv, n_k, 32), seed=3)
     band = masks.band(causal, None, None, 2, n_k)
-    assert decode.run_decode(q, k, v, 0.1, band) is not None  # this path, not the tiled one
+    assert decode.run_decode(q, k, v, 0.1, band, no_mods(q)) is not None  # this path, not the tiled one
     check(q, k, v, causal)
 
 
@@ -51,7 +56,7 @@ def test_kv_cache_views_are_read_in_place():
     cache_k, cache_v = rand((1, 2, 512, 16), seed=2), rand((1, 2, 512, 16), seed=3)
     k, v = cache_k[:, :, :300], cache_v[:, :, :300]  # a partly filled cache: a strided view
     q = rand((1, 2, 1, 16), seed=1)
-    assert decode.run_decode(q, k, v, 0.25, masks.band(False, None, None, 1, 300)) is not None
+    assert decode.run_decode(q, k, v, 0.25, masks.band(False, None, None, 1, 300), no_mods(q)) is not None
     check(q, k, v)
 
 
@@ -60,7 +65,7 @@ def test_rows_with_unit_stride_only():
     v = rand((1, 1, 50, 16), seed=3)
     q = rand((1, 1, 1, 16), seed=1)
     band = masks.band(False, None, None, 1, 50)
-    assert decode.run_decode(q, k, v, 0.25, band) is None  # the tiled path takes it
+    assert decode.run_decode(q, k, v, 0.25, band, no_mods(q)) is None  # the tiled path takes it
     check(q, k, v)
 
 
