@@ -163,3 +163,78 @@ def test_bad_band_arguments(kwargs, exc, words):
 def test_bad_merge_arguments(outs, lses, exc, words):
     with pytest.raises(exc, match=words):
         cpuflash.merge(outs, lses)
+
+
+MASKS = {
+    "bool 2-D": lambda rng, n_q, n_k: rng.random((n_q, n_k)) > 0.3,
+    "key padding (B,1,1,Nk)": lambda rng, n_q, n_k: rng.random((2, 1, 1, n_k)) > 0.2,
+    "float per head (H,Nq,1)": lambda rng, n_q, n_k: np.where(
+        rng.random((4, n_q, 1)) > 0.4, 0.0, -np.inf).astype(np.float32),
+    "float dense f64": lambda rng, n_q, n_k: rng.standard_normal((2, 4, n_q, n_k)),
+    "float16 bias": lambda rng, n_q, n_k: rng.standard_normal((n_q, n_k)).astype(np.float16),
+    "all False": lambda rng, n_q, n_k: np.zeros((n_q, n_k), bool),
+}
+
+
+@pytest.mark.parametrize("name", list(MASKS))
+@pytest.mark.parametrize("n_q", [1, 5, 130])  # decode path and tiled path
+@pytest.mark.parametrize("more", [False, True])
+def test_user_masks_against_reference(name, n_q, more):
+    rng = np.random.default_rng(5)
+    n_k = 300
+    mask = MASKS[name](rng, n_q, n_k)
+    q, k, v = rand((2, 4, n_q, 16), seed=1), rand((2, 2, n_k, 16), seed=2), rand((2, 2, n_k, 16), seed=3)
+    opts = dict(causal=True, softcap=3.0, kv_lens=np.array([250, 299])) if more else {}
+    check_all(q, k, v, rand((2, 4, n_q, 16), seed=4), mask=mask, **opts)
+
+
+def test_mask_is_never_expanded():
+    # A (Nq, Nk) bool mask at N=4096 is 16 MiB; a dense float copy over 8 heads would be 512 MiB.
+    from cpuflash import _measure
+    q, k, v = _measure.make_qkv(1, 8, 4096, 16)
+    mask = np.tril(np.ones((4096, 4096), bool))
+    import tracemalloc
+    tracemalloc.start()
+    out = cpuflash.attention(q, k, v, mask=mask)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 64 * 2**20, f"peak numpy allocation {peak / 2**20:.0f} MiB"
+    np.testing.assert_allclose(out[0, :2], cpuflash.attention(q, k, v, causal=True)[0, :2],
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_rows_that_a_mask_hides_entirely():
+    q, k, v = rand((1, 1, 10, 8), seed=1), rand((1, 1, 200, 8), seed=2), rand((1, 1, 200, 8), seed=3)
+    mask = np.ones((10, 200), bool)
+    mask[3] = False
+    k[0, 0, 150] = np.nan  # a NaN key that the mask hides from every row
+    mask[:, 150] = False
+    out, lse = cpuflash.attention(q, k, v, mask=mask, return_lse=True)
+    assert np.all(out[0, 0, 3] == 0) and lse[0, 0, 3] == -np.inf
+    assert np.all(np.isfinite(np.delete(out[0, 0], 3, 0)))
+    grads = cpuflash.attention_backward(np.ones_like(out), q, k, v, out, lse, mask=mask)
+    assert all(np.all(np.isfinite(g)) for g in grads)  # the hidden NaN key reaches nothing
+    assert np.all(grads[1][0, 0, 150] == 0) and np.all(grads[2][0, 0, 150] == 0)
+
+
+def test_against_torch_with_a_float_mask():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(3)
+    q, k, v = rand((2, 4, 70, 16), seed=1), rand((2, 4, 90, 16), seed=2), rand((2, 4, 90, 16), seed=3)
+    mask = rng.standard_normal((2, 1, 70, 90)).astype(np.float32)
+    mask[..., ::7] = -np.inf
+    ours = cpuflash.attention(q, k, v, mask=mask)
+    theirs = torch.nn.functional.scaled_dot_product_attention(
+        *(torch.from_numpy(x) for x in (q, k, v)), attn_mask=torch.from_numpy(mask)).numpy()
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("mask,exc,words", [
+    ([[True]], TypeError, "mask: expected a numpy array"),
+    (np.ones((8, 9), np.int32), TypeError, "mask: expected a bool or float array"),
+    (np.ones((8, 3), bool), ValueError, "does not broadcast"),
+    (np.ones((1, 1, 1, 8, 9), bool), ValueError, "at most 4 dimensions"),
+])
+def test_bad_masks(mask, exc, words):
+    with pytest.raises(exc, match=words):
+        cpuflash.attention(Q, K, V, mask=mask)

@@ -10,7 +10,7 @@ __all__ = ["attention", "attention_backward", "attention_vjp", "merge", "set_num
            "get_num_threads"]
 
 
-def attention(q, k, v, *, causal=False, scale=None, window=None, kv_lens=None,
+def attention(q, k, v, *, causal=False, scale=None, mask=None, window=None, kv_lens=None,
               alibi_slopes=None, softcap=None, return_lse=False, out=None):
     """Exact softmax attention, ``softmax(scale * q @ k^T) @ v``, computed tile by tile.
 
@@ -22,6 +22,9 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, kv_lens=None,
     v : ndarray (B, Hkv, Nk, Dv).
     causal : bool. Bottom-right aligned: query ``i`` sees key ``j`` iff ``j <= i + Nk - Nq``.
     scale : float, default ``1 / sqrt(D)``.
+    mask : bool (True = may attend, as torch) or float (added to the scores) array,
+        broadcastable to (B, Hq, Nq, Nk). Read through stride-0 views, never expanded; tiles it
+        hides entirely are skipped, tiles it leaves untouched cost nothing.
     window : ``(left, right)``: query ``i`` sees keys ``i + off - left <= j <= i + off + right``
         (``off = Nk - Nq``); ``None`` or ``-1`` for an unbounded side. Tiles outside the band
         are skipped: cost grows as N * window.
@@ -49,6 +52,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, kv_lens=None,
     scale = _checks.scale(scale, d)
     band = masks.band(causal, window, kv_lens, n_b, n_k)
     mods = masks.modifiers(softcap, alibi_slopes, n_b, q4.shape[1])
+    user_mask = masks.UserMask(mask, n_b, q4.shape[1], q4.shape[2], n_k, _compute_dtype(q.dtype))
     out_shape = q.shape[:-1] + (dv,)
     out = _checks.out_array(out, out_shape, q.dtype)
 
@@ -56,7 +60,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, kv_lens=None,
     q4, k4, v4 = (x if x.dtype == compute else x.astype(compute) for x in (q4, k4, v4))
     direct = (out is not None and out.dtype == compute and out.flags.c_contiguous
               and not any(np.may_share_memory(out, x) for x in (q4, k4, v4)))
-    o4, lse = run_forward(q4, k4, v4, scale, band, mods, config.PORTABLE,
+    o4, lse = run_forward(q4, k4, v4, scale, band, mods, user_mask, config.PORTABLE,
                           out=_checks.as_4d(out) if direct else None)
 
     result = o4.reshape(out_shape)
@@ -76,13 +80,13 @@ def _compute_dtype(dtype):
     return np.dtype(np.float64 if dtype == np.float64 else np.float32)
 
 
-def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, window=None,
-                       kv_lens=None, alibi_slopes=None, softcap=None):
+def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, mask=None,
+                       window=None, kv_lens=None, alibi_slopes=None, softcap=None):
     """Gradients ``(dq, dk, dv)`` of attention, from the forward pass's ``out`` and ``lse``.
 
     ``dout`` is the gradient of the loss with respect to ``out``; ``out, lse`` are what
-    ``attention(q, k, v, return_lse=True, ...)`` returned; ``causal``, ``scale``, ``window``,
-    ``kv_lens``, ``alibi_slopes`` and ``softcap`` must be the forward call's. Probabilities are
+    ``attention(q, k, v, return_lse=True, ...)`` returned; ``causal``, ``scale``, ``mask``,
+    ``window``, ``kv_lens``, ``alibi_slopes`` and ``softcap`` must be the forward call's. Probabilities are
     recomputed tile by tile from ``lse`` (memory O(N)).
     Returns arrays shaped and typed like ``q``, ``k``, ``v`` (C-contiguous). For GQA, dk/dv
     sum over the query heads of each group. Bitwise the same for any thread count.
@@ -97,6 +101,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, win
     scale = _checks.scale(scale, d)
     band = masks.band(causal, window, kv_lens, n_b, n_k)
     mods = masks.modifiers(softcap, alibi_slopes, n_b, q4.shape[1])
+    user_mask = masks.UserMask(mask, n_b, q4.shape[1], q4.shape[2], n_k, _compute_dtype(q.dtype))
     out_shape = q.shape[:-1] + (dv_dim,)
     compute = _compute_dtype(q.dtype)
     _checks.matches("dout", dout, out_shape, q.dtype)
@@ -109,16 +114,16 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, win
 
     dq, dk, dv = run_backward(as_compute(dout), as_compute(q), as_compute(k), as_compute(v),
                               as_compute(out), lse.reshape(q4.shape[:3]), scale, band, mods,
-                              config.PORTABLE)
+                              user_mask, config.PORTABLE)
     return tuple(g.reshape(x.shape).astype(x.dtype, copy=False)
                  for g, x in ((dq, q), (dk, k), (dv, v)))
 
 
-def attention_vjp(q, k, v, dout, *, causal=False, scale=None, window=None, kv_lens=None,
-                  alibi_slopes=None, softcap=None):
+def attention_vjp(q, k, v, dout, *, causal=False, scale=None, mask=None, window=None,
+                  kv_lens=None, alibi_slopes=None, softcap=None):
     """Forward and backward in one call: returns ``(out, dq, dk, dv)``, the output and the
     vector-Jacobian product of attention with the cotangent ``dout``."""
-    opts = dict(causal=causal, scale=scale, window=window, kv_lens=kv_lens,
+    opts = dict(causal=causal, scale=scale, mask=mask, window=window, kv_lens=kv_lens,
                 alibi_slopes=alibi_slopes, softcap=softcap)
     out, lse = attention(q, k, v, return_lse=True, **opts)
     dq, dk, dv = attention_backward(dout, q, k, v, out, lse, **opts)

@@ -16,7 +16,7 @@ import numbers
 
 import numpy as np
 
-from ._cpu.masking import UNBOUNDED
+from ._cpu.masking import CLEAR, HIDDEN, MIXED, UNBOUNDED
 
 
 def window_sides(window):
@@ -86,3 +86,63 @@ def modifiers(softcap, alibi_slopes, n_b, n_hq):
     if not np.all(np.isfinite(slopes)):
         raise ValueError("alibi_slopes: expected finite slopes, got NaN or Inf")
     return cap, np.ascontiguousarray(slopes)
+
+
+class UserMask:
+    """A caller's bool or float ``mask``, broadcastable to (B, Hq, Nq, Nk), as the kernels take
+    it: ``view`` (B, Hq, Nq, Nk) by stride-0 broadcasting (never a dense copy), ``is_bool``,
+    and ``tile_states(block_q, block_k)``. With no mask: a 1-element all-True view, ``None``
+    states (every tile CLEAR)."""
+
+    def __init__(self, mask, n_b, n_hq, n_q, n_k, compute_dtype):
+        self.shape = (n_b, n_hq, n_q, n_k)
+        if mask is None:
+            self.given = False
+            self.raw = np.ones((1, 1, 1, 1), dtype=bool)
+        else:
+            self.given = True
+            self.raw = _mask_4d(mask, self.shape, compute_dtype)
+        self.is_bool = self.raw.dtype == np.bool_
+        self.view = np.broadcast_to(self.raw, self.shape)
+
+    def tile_states(self, block_q, block_k):
+        """int8 (B, Hq, n_qb, n_kb) view: HIDDEN, MIXED or CLEAR for each tile."""
+        n_b, n_hq, n_q, n_k = self.shape
+        n_qb, n_kb = max(1, -(-n_q // block_q)), max(1, -(-n_k // block_k))
+        if not self.given or n_q == 0 or n_k == 0:
+            return np.broadcast_to(np.int8(CLEAR), (n_b, n_hq, n_qb, n_kb))
+        m = self.raw
+        if self.is_bool:
+            seen, clear = np.logical_or, np.logical_and
+        else:  # seen: some score above -inf; clear: every value 0.0 (max == min == 0)
+            seen, clear = np.maximum, np.minimum
+        hi, lo = m, m
+        for axis, size, block in ((2, n_q, block_q), (3, n_k, block_k)):
+            if m.shape[axis] > 1:
+                starts = np.arange(0, size, block)
+                hi = seen.reduceat(hi, starts, axis=axis)
+                lo = clear.reduceat(lo, starts, axis=axis)
+        if self.is_bool:
+            any_seen, all_clear = hi, lo
+        else:
+            any_seen, all_clear = hi > -np.inf, (hi == 0) & (lo == 0)
+        states = np.where(~any_seen, HIDDEN, np.where(all_clear, CLEAR, MIXED)).astype(np.int8)
+        return np.broadcast_to(states, (n_b, n_hq, n_qb, n_kb))
+
+
+def _mask_4d(mask, shape, compute_dtype):
+    if not isinstance(mask, np.ndarray):
+        raise TypeError(f"mask: expected a numpy array (bool: True = attend; float: added), "
+                        f"got {type(mask).__name__}")
+    if mask.dtype != np.bool_ and mask.dtype.kind != "f":
+        raise TypeError(f"mask: expected a bool or float array, got {mask.dtype}")
+    if mask.ndim > 4:
+        raise ValueError(f"mask: expected at most 4 dimensions, got shape {mask.shape}")
+    m4 = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+    for have, want in zip(m4.shape, shape):
+        if have not in (1, want):
+            raise ValueError(f"mask: shape {mask.shape} does not broadcast to (B, Hq, Nq, Nk) "
+                             f"= {shape}")
+    if m4.dtype.kind == "f" and m4.dtype not in (np.float32, np.float64):
+        m4 = m4.astype(compute_dtype)  # float16: one copy at the mask's own size
+    return m4

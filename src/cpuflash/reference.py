@@ -56,7 +56,17 @@ def _modified(s, n_b, n_q, n_k, kv_lens, softcap, alibi_slopes):
     return s, t
 
 
-def attention(q, k, v, *, causal=False, scale=None, window=None, kv_lens=None,
+def _user_mask(s, seen, mask):
+    """A bool mask joins ``seen``; a float mask is added to the scores."""
+    if mask is None:
+        return s, seen
+    mask = np.asarray(mask)
+    if mask.dtype == np.bool_:
+        return s, seen & mask
+    return s + mask.astype(np.float64), seen
+
+
+def attention(q, k, v, *, causal=False, scale=None, mask=None, window=None, kv_lens=None,
               alibi_slopes=None, softcap=None, return_lse=False):
     """float64 ``softmax(scale * q k^T) v`` with the shapes and semantics of ``cpuflash.attention``.
 
@@ -72,6 +82,8 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, kv_lens=None,
     s = scale * np.einsum("bhid,bhjd->bhij", q4, k4)
     s, _ = _modified(s, q4.shape[0], n_q, n_k, kv_lens, softcap, alibi_slopes)
     seen = _seen(q4.shape[0], n_q, n_k, causal, window, kv_lens)
+    s, seen = _user_mask(s, seen, mask)
+    seen = seen & (s > -np.inf)  # a float mask's -inf hides the key too
     s = np.where(seen, s, -np.inf)
     m = s.max(axis=-1, keepdims=True, initial=-np.inf)
     m_safe = np.where(np.isfinite(m), m, 0.0)
@@ -88,8 +100,8 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, kv_lens=None,
 
 
 
-def attention_backward(dout, q, k, v, *, causal=False, scale=None, window=None, kv_lens=None,
-                       alibi_slopes=None, softcap=None):
+def attention_backward(dout, q, k, v, *, causal=False, scale=None, mask=None, window=None,
+                       kv_lens=None, alibi_slopes=None, softcap=None):
     """float64 gradients ``(dq, dk, dv)`` of ``sum(dout * attention(q, k, v))``.
 
     ``P = softmax(S)``, ``dV = P^T dO``, ``dP = dO V^T``, ``dS = P * (dP - rowsum(dP * P))``,
@@ -105,6 +117,8 @@ def attention_backward(dout, q, k, v, *, causal=False, scale=None, window=None, 
     s = scale * np.einsum("bhid,bhjd->bhij", q4, kr)
     s, t = _modified(s, n_b, n_q, n_k, kv_lens, softcap, alibi_slopes)
     seen = _seen(n_b, n_q, n_k, causal, window, kv_lens)
+    s, seen = _user_mask(s, seen, mask)
+    seen = seen & (s > -np.inf)
     s = np.where(seen, s, -np.inf)
     m = s.max(axis=-1, keepdims=True, initial=-np.inf)
     p = np.where(seen, np.exp(s - np.where(np.isfinite(m), m, 0.0)), 0.0)

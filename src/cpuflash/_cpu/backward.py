@@ -24,7 +24,8 @@ from numba import prange
 
 from .. import config
 from ._jit import kernel
-from .masking import mask_tile, tile_key_range, tile_needs_mask
+from .masking import (HIDDEN, MIXED, apply_user_mask, mask_tile, tile_key_range,
+                      tile_needs_mask)
 from .scores import modify_row, tanh_grad_row
 from .pack import pack_scaled_rows, packed_rows, packed_transposed
 from .tiles import (add_into, add_into_compensated, exp2_shifted2, softmax_grad_row,
@@ -37,10 +38,12 @@ TASKS_WANTED = 4  # key chunks per (batch, kv head) are added until there are th
 
 @kernel
 def backward(qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad,
-             left, right, kv_lens, softcap2, slopes2, chunk_starts, portable, dq_part, dk, dv):
+             left, right, kv_lens, softcap2, slopes2, mask, mask_is_bool, tile_state,
+             chunk_starts, portable, dq_part, dk, dv):
     """qp: (B, Hq, n_qb * block_q, d_pad) Q times ``scale * log2(e)``, zero-padded, contiguous.
     dout: (B, Hq, Nq, Dv), contiguous. left, right, kv_lens: the band (masking.py).
     softcap2, slopes2 (B, Hq): score modifiers in base-2 units, 0 for off (scores.py).
+    mask, mask_is_bool, tile_state: the caller's mask and its tile table (masks.UserMask).
     lse2 + lse2_lo: (B, Hq, Nq) lse in base 2 as a sum of two floats, ``+inf`` for rows that
     see no key (so their P is 0). delta: (B, Hq, Nq).
     kt, vtt: K and V tiles transposed, kn: K tiles as rows (pack.py). chunk_starts: key-tile
@@ -63,6 +66,7 @@ def backward(qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad
     qp_flat, do_flat = qp.reshape(-1), dout.reshape(-1)
     rows_q = qp.shape[2]
     modify = softcap2 != 0.0 or np.any(slopes2 != 0.0)
+    n_k_all = mask.shape[3]
     for task in prange(n_b * n_hkv * n_chunks):
         bh_kv, chunk = divmod(np.int64(task), n_chunks)
         b, hk = divmod(bh_kv, n_hkv)
@@ -96,7 +100,8 @@ def backward(qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad
                     q0 = qb * block_q
                     rows = min(block_q, n_q - q0)
                     kb_lo, kb_hi = tile_key_range(q0, q0 + rows, n_q, n_k, block_k, left, right)
-                    if kb < kb_lo or kb >= kb_hi:
+                    state = tile_state[b, h, qb, kb]
+                    if kb < kb_lo or kb >= kb_hi or state == HIDDEN:
                         continue  # the block sees no key of this tile
                     row0 = (b * n_hq + h) * n_q + q0
                     for r in range(block_q):
@@ -126,11 +131,16 @@ def backward(qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad
                         for r in range(rows):
                             modify_row(s, r * block_k, block_k, q0 + r + n_k - n_q, k0,
                                        softcap2, slopes2[b, h], t_cap, portable)
+                    if state == MIXED:
+                        apply_user_mask(s, 0, block_k, rows, mask, mask_is_bool, b, h, q0, k0,
+                                        min(block_k, n_k_all - k0), LOG2_E)
                     if tile_needs_mask(q0, q0 + rows, k0, block_k, n_q, n_k, left, right):
                         mask_tile(s, block_k, rows, q0, k0, block_k, n_q, n_k, left, right,
                                   -np.inf)
                     for r in range(block_q):
                         exp2_shifted2(s, r * block_k, block_k, lse_r[r], lse_lo[r], portable)
+                    # Padding rows: P = 0 exactly, even where a NaN key made their score NaN.
+                    s[rows * block_k:] = 0.0
                     tile_product(ds, 0, block_k, doa, doa_off, dv_pad, 1, vtt_flat,
                                  tile * n_dv * block_k, 0, n_dv, block_q, block_k, n_dv,
                                  False, portable)
@@ -180,7 +190,7 @@ def chunk_starts(n_q, n_k, block_k, left, right, n_bh_kv):
     return starts.astype(np.int64)
 
 
-def run_backward(dout, q, k, v, out, lse, scale, band, mods, portable):
+def run_backward(dout, q, k, v, out, lse, scale, band, mods, user_mask, portable):
     """Gradients for 4-D arrays of one compute dtype; returns contiguous (dq, dk, dv).
     ``band``: the ``(left, right, kv_lens)`` of masking.py; ``mods``: ``(softcap, slopes)``."""
     left, right, kv_lens = band
@@ -200,7 +210,7 @@ def run_backward(dout, q, k, v, out, lse, scale, band, mods, portable):
     dv_pad = -(-n_dv // lanes) * lanes
     kt = packed_transposed(k, block_k, width, "keys")
     vtt = packed_transposed(v, block_k, width, "values_t")
-    kn = packed_rows(k, block_k, lanes, width, "keys_rows")
+    kn = packed_rows(k, block_k, lanes, width, "keys_rows", zero_nonfinite=True)
     # Row terms: lse in base 2 (+inf where the row saw no key: P = 2^(S - inf) = 0) and
     # delta_i = rowsum(dO_i * O_i).
     lse2_exact = np.where(np.isneginf(lse), np.inf, lse.astype(np.float64) * LOG2_E)
@@ -219,7 +229,8 @@ def run_backward(dout, q, k, v, out, lse, scale, band, mods, portable):
     pack_scaled_rows(q, scale * LOG2_E, qp)
     dout = np.ascontiguousarray(dout)  # one compiled kernel per dtype
     backward(qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad,
-             left, right, kv_lens, softcap2, slopes2, starts, portable, dq_part, dk, dv)
+             left, right, kv_lens, softcap2, slopes2, user_mask.view, user_mask.is_bool,
+             user_mask.tile_states(block_q, block_k), starts, portable, dq_part, dk, dv)
     total = dq_part[0]
     for part in dq_part[1:]:  # fixed order: the same bits for any thread count
         total += part

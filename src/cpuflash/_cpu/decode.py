@@ -21,7 +21,7 @@ from numba import prange
 
 from . import simd
 from ._jit import helper, kernel
-from .masking import row_band
+from .masking import apply_user_mask, row_band
 from .scores import modify_row
 from .tiles import MR, online_softmax, rescale_add, tile_product
 
@@ -57,7 +57,8 @@ def axpy_row(acc, acc_off, p, vf, v_off, dv, dv_vec):
 
 @kernel
 def decode(q, kf, k_strides, vf, v_strides, n_hkv, n_k, d, dv, n_splits, scale2, left, right,
-           kv_lens, softcap2, slopes2, m_part, l_part, acc_part):
+           kv_lens, softcap2, slopes2, mask, mask_given, mask_is_bool, m_part, l_part,
+           acc_part):
     """q: (B, Hq, Nq, D) any strides. kf, vf: 1-D views from the first element of K and V;
     element (b, h, j, c) is at ``b*s0 + h*s1 + j*s2 + c`` with ``k_strides = (s0, s1, s2)``.
     left, right, kv_lens: the band of keys each row sees (masking.py); the splits divide the
@@ -110,9 +111,13 @@ def decode(q, kf, k_strides, vf, v_strides, n_hkv, n_k, d, dv, n_splits, scale2,
                     if jj < n_c and first <= j <= last:
                         s[r * CHUNK + jj] = dot_rows(q_s, r * d, kf, k_head + j * k_strides[2],
                                                      d, d_vec)
+                h = hk * group + r // n_q
                 if modify:
                     modify_row(s, r * CHUNK, CHUNK, i + kv_len - n_q, c0, softcap2,
-                               slopes2[b, hk * group + r // n_q], no_t, False)
+                               slopes2[b, h], no_t, False)
+                if mask_given:
+                    apply_user_mask(s, r * CHUNK, CHUNK, 1, mask, mask_is_bool, b, h, i, c0,
+                                    n_c, LOG2_E)
                 for jj in range(CHUNK):  # masked after the modifiers, as the tiled kernel
                     if not (jj < n_c and first <= c0 + jj <= last):
                         s[r * CHUNK + jj] = -np.inf
@@ -183,7 +188,7 @@ def _flat_view(x):
     return flat, steps
 
 
-def run_decode(q, k, v, scale, band, mods, out=None):
+def run_decode(q, k, v, scale, band, mods, user_mask, out=None):
     """The decode path for 4-D arrays of one compute dtype, or None where it does not apply
     (K or V rows not unit-stride): the caller then takes the tiled path. ``band``: the
     ``(left, right, kv_lens)`` of masking.py."""
@@ -202,7 +207,8 @@ def run_decode(q, k, v, scale, band, mods, out=None):
     l_part = np.empty((n_splits, n_b, n_hq, n_q), dtype=dtype)
     acc_part = np.empty((n_splits, n_b, n_hq, n_q, dv), dtype=dtype)
     decode(q, k_view[0], k_view[1], v_view[0], v_view[1], n_hkv, n_k, d, dv, n_splits,
-           scale * LOG2_E, left, right, kv_lens, softcap2, slopes2, m_part, l_part, acc_part)
+           scale * LOG2_E, left, right, kv_lens, softcap2, slopes2, user_mask.view,
+           user_mask.given, user_mask.is_bool, m_part, l_part, acc_part)
     if out is None:
         out = np.empty((n_b, n_hq, n_q, dv), dtype=dtype)
     lse = np.empty((n_b, n_hq, n_q), dtype=dtype)

@@ -32,7 +32,8 @@ from .. import config
 from ._jit import helper, kernel
 from .decode import run_decode
 from .pack import packed_kv
-from .masking import mask_tile, tile_key_range, tile_needs_mask
+from .masking import (HIDDEN, MIXED, apply_user_mask, mask_tile, tile_key_range,
+                      tile_needs_mask)
 from .scores import modify_row
 from .tiles import online_softmax, rescale_add, tile_product
 
@@ -50,14 +51,15 @@ def balanced_order(j, n):
 
 
 @kernel
-def forward(q, kt, vt, block_q, scale2, left, right, kv_lens, softcap2, slopes2, portable, out,
-            lse):
+def forward(q, kt, vt, block_q, scale2, left, right, kv_lens, softcap2, slopes2, mask,
+            mask_is_bool, tile_state, portable, out, lse):
     """Attention forward on packed K/V.
 
     q: (B, Hq, Nq, D) any strides, float32/float64. kt, vt: from ``pack.packed_kv``.
     block_q: a multiple of the micro-tile rows. scale2: ``scale * log2(e)``.
     left, right, kv_lens: the band of keys each row sees (masking.py); kv_lens: (B,) int64.
     softcap2, slopes2 (B, Hq): the score modifiers in base-2 units, 0 for off (scores.py).
+    mask, mask_is_bool, tile_state: the caller's mask and its tile table (masks.UserMask).
     out: (B, Hq, Nq, Dv) contiguous. lse: (B, Hq, Nq), natural log.
     """
     n_b, n_hq, n_q, d = q.shape
@@ -73,6 +75,7 @@ def forward(q, kt, vt, block_q, scale2, left, right, kv_lens, softcap2, slopes2,
     tile_v = block_k * dv_pad
     modify = softcap2 != 0.0 or np.any(slopes2 != 0.0)
     no_t = np.empty(0, dtype=out.dtype)
+    n_k_all = mask.shape[3]
     for task in prange(n_b * n_hq * n_qb):
         bh, qb = divmod(np.int64(task), n_qb)
         qb = balanced_order(qb, n_qb)
@@ -94,6 +97,9 @@ def forward(q, kt, vt, block_q, scale2, left, right, kv_lens, softcap2, slopes2,
                 q_s[r * d + dd] = q[b, h, q0 + r, dd] * scale2  # as pack.pack_scaled_rows
         kb_lo, kb_hi = tile_key_range(q0, q0 + rows, n_q, n_k, block_k, left, right)
         for kb in range(kb_lo, kb_hi):
+            state = tile_state[b, h, qb, kb]
+            if state == HIDDEN:
+                continue  # the caller's mask hides the whole tile
             k0 = kb * block_k
             tile_product(s, 0, block_k, q_s, 0, d, 1, kt_flat,
                          (bh_kv * kt.shape[1] + kb) * tile_k, 0, d, block_q, block_k, d,
@@ -102,6 +108,9 @@ def forward(q, kt, vt, block_q, scale2, left, right, kv_lens, softcap2, slopes2,
                 for r in range(rows):
                     modify_row(s, r * block_k, block_k, q0 + r + n_k - n_q, k0, softcap2,
                                slopes2[b, h], no_t, portable)
+            if state == MIXED:
+                apply_user_mask(s, 0, block_k, rows, mask, mask_is_bool, b, h, q0, k0,
+                                min(block_k, n_k_all - k0), LOG2_E)
             if tile_needs_mask(q0, q0 + rows, k0, block_k, n_q, n_k, left, right):
                 mask_tile(s, block_k, rows, q0, k0, block_k, n_q, n_k, left, right, -np.inf)
             online_softmax(s, block_k, block_q, m_i, l_tile_sums, alpha_i, portable)
@@ -125,13 +134,13 @@ def forward(q, kt, vt, block_q, scale2, left, right, kv_lens, softcap2, slopes2,
                 lse[b, h, q0 + r] = (m_i[r] + np.log2(l_i[r])) * LN2
 
 
-def run_forward(q, k, v, scale, band, mods, portable, out=None):
+def run_forward(q, k, v, scale, band, mods, user_mask, portable, out=None):
     """Pack K/V and run the kernel on 4-D arrays of one compute dtype (float32 or float64).
 
     Returns ``out`` (B, Hq, Nq, Dv), contiguous, and ``lse`` (B, Hq, Nq), both in that dtype.
     ``out``, if given, must be such an array; it is written in place. ``band``: the
     ``(left, right, kv_lens)`` of masking.py; ``mods``: ``(softcap, alibi_slopes (B, Hq))``
-    in natural units (scores.py).
+    in natural units (scores.py); ``user_mask``: a ``masks.UserMask``.
     """
     left, right, kv_lens = band
     softcap2, slopes2 = mods[0] * LOG2_E, mods[1] * LOG2_E
@@ -146,12 +155,13 @@ def run_forward(q, k, v, scale, band, mods, portable, out=None):
         out[...] = 0.0
         lse[...] = -np.inf
         return out, lse
-    decoded = run_decode(q, k, v, scale, band, mods, out) if not portable else None
+    decoded = run_decode(q, k, v, scale, band, mods, user_mask, out) if not portable else None
     if decoded is not None:
         return decoded
     block_k = config.block_k(d)
     kt, vt = packed_kv(k, v, block_k, config.lanes(q.dtype), config.panel_width(q.dtype))
     block_q = config.block_q(n_q, d, n_b * n_hq, numba.get_num_threads())
     forward(q, kt, vt, block_q, scale * LOG2_E, left, right, kv_lens, softcap2, slopes2,
+            user_mask.view, user_mask.is_bool, user_mask.tile_states(block_q, block_k),
             portable, out, lse)
     return out, lse

@@ -13,10 +13,17 @@ element-wise masking:
 * ``tile_key_range``: the key tiles a block of rows sees at all;
 * ``tile_needs_mask``: whether a visible tile crosses an edge of the band;
 * ``mask_tile``: set the scores outside the band to ``-inf``.
+
+A caller's bool/float mask comes with a small table of tile states (``masks.tile_states``):
+``HIDDEN`` tiles are skipped like tiles outside the band, ``CLEAR`` tiles (all True, or all 0.0)
+cost nothing, and only ``MIXED`` tiles are masked element by element (``apply_user_mask``).
 """
+import numpy as np
+
 from ._jit import helper
 
 UNBOUNDED = 1 << 40  # a window side with no limit (any sequence is shorter)
+HIDDEN, MIXED, CLEAR = 0, 1, 2  # tile states of a caller's mask
 
 
 @helper
@@ -56,3 +63,19 @@ def mask_tile(s, ld, rows, q0, k0, block_k, n_q, kv_len, left, right, masked):
             s[r * ld + j] = masked
         for j in range(hi, block_k):
             s[r * ld + j] = masked
+
+
+@helper
+def apply_user_mask(s, off, ld, rows, mask, is_bool, b, h, q0, k0, n_cols, log2e):
+    """The caller's mask on rows ``q0 + r`` (``r < rows``, scores at ``s[off + r*ld + j]``), key
+    columns ``k0 .. k0 + n_cols``:
+    bool: ``False`` sets ``-inf``; float: adds ``mask * log2(e)`` (base-2 units). ``mask`` is
+    a (B, Hq, Nq, Nk) view, broadcast by stride 0, never a dense copy."""
+    for r in range(rows):
+        for j in range(n_cols):
+            x = mask[b, h, q0 + r, k0 + j]
+            if is_bool:
+                if not x:
+                    s[off + r * ld + j] = -np.inf
+            else:
+                s[off + r * ld + j] += x * log2e

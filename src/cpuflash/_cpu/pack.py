@@ -50,9 +50,10 @@ def pack_keys_transposed(k, block_k, w, kt):
 
 
 @kernel
-def pack_values(v, block_k, dv_pad, w, vt):
+def pack_values(v, block_k, dv_pad, w, zero_nonfinite, vt):
     """``v``: (B, H, Nk, Dv) any strides. ``vt``: (B*H, n_blocks, block_k * dv_pad) contiguous:
-    each value tile (block_k, dv_pad), zero-padded, in column panels of width ``w``."""
+    each value tile (block_k, dv_pad), zero-padded, in column panels of width ``w``.
+    ``zero_nonfinite``: store NaN/Inf as 0 (see ``packed_rows``)."""
     n_b, n_h, n_k, dv = v.shape
     n_blocks = vt.shape[1]
     for task in prange(n_b * n_h * n_blocks):
@@ -62,6 +63,8 @@ def pack_values(v, block_k, dv_pad, w, vt):
         for j in range(block_k):
             for c in range(dv_pad):
                 x = v[b, h, j0 + j, c] if j0 + j < n_k and c < dv else 0.0
+                if zero_nonfinite and not np.isfinite(x):
+                    x = 0.0
                 vt[bh, kb, panel_index(j, c, block_k, dv_pad, w)] = x
 
 
@@ -105,14 +108,18 @@ def packed_transposed(x, block_k, panel_width, name):
     return xt
 
 
-def packed_rows(x, block_k, lanes, panel_width, name):
-    """(B, H, N, D) -> (B*H, n_blocks, block_k * D_pad): tiles (block_k, D_pad), panels."""
+def packed_rows(x, block_k, lanes, panel_width, name, zero_nonfinite=False):
+    """(B, H, N, D) -> (B*H, n_blocks, block_k * D_pad): tiles (block_k, D_pad), panels.
+
+    ``zero_nonfinite`` serves the backward pass's ``dQ = dS @ K``: a masked key has dS = 0, and
+    0 * NaN would carry a NaN in K into every row's dQ. A NaN in a key that a row does see
+    reaches that row's dQ anyway, through its score and so its dS."""
     n_b, n_h, n, d = x.shape
     n_blocks = max(1, -(-n // block_k))
     d_pad = -(-d // lanes) * lanes
     xr = _buffer(name, (n_b * n_h, n_blocks, block_k * d_pad), x.dtype)
     if xr.size:
-        pack_values(x, block_k, d_pad, panel_width, xr)
+        pack_values(x, block_k, d_pad, panel_width, zero_nonfinite, xr)
     return xr
 
 
