@@ -86,8 +86,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, mas
 
     ``dout`` is the gradient of the loss with respect to ``out``; ``out, lse`` are what
     ``attention(q, k, v, return_lse=True, ...)`` returned; ``causal``, ``scale``, ``mask``,
-    ``window``, ``kv_lens``, ``alibi_slopes`` and ``softcap`` must be the forward call's. Probabilities are
-    recomputed tile by tile from ``lse`` (memory O(N)).
+    ``window``, ``kv_lens``, ``alibi_slopes`` and ``softcap`` must be the forward call's.
+    Probabilities are recomputed tile by tile from ``lse`` (memory O(N)).
     Returns arrays shaped and typed like ``q``, ``k``, ``v`` (C-contiguous). For GQA, dk/dv
     sum over the query heads of each group. Bitwise the same for any thread count.
     """
