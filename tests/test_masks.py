@@ -1,5 +1,5 @@
-"""window, kv_lens, ALiBi, softcap and merge, forward and backward, crossed with causal, GQA,
-Nq != Nk and dtypes; property-based where the grid would explode."""
+"""window, kv_lens, ALiBi, softcap, masks, dropout and merge, forward and backward, crossed
+with causal, GQA, Nq != Nk and dtypes; property-based where the grid would explode."""
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -31,9 +31,10 @@ def check_all(q, k, v, dout, **opts):
        causal=st.booleans(), left=st.sampled_from([None, -1, 0, 1, 17, 130]),
        right=st.sampled_from([None, -1, 0, 3, 64]), use_lens=st.booleans(),
        softcap=st.sampled_from([None, 1.5, 30.0]), alibi=st.sampled_from([None, "h", "bh"]),
-       seed=st.integers(0, 2**16), portable=st.booleans())
+       dropout_p=st.sampled_from([0.0, 0.0, 0.2]), seed=st.integers(0, 2**16),
+       portable=st.booleans())
 def test_options_against_reference(n_q, n_k, group, causal, left, right, use_lens, softcap,
-                                   alibi, seed, portable):
+                                   alibi, dropout_p, seed, portable):
     from cpuflash import config
     old = config.PORTABLE
     config.PORTABLE = portable
@@ -46,7 +47,7 @@ def test_options_against_reference(n_q, n_k, group, causal, left, right, use_len
         window = None if left is None and right is None else (left, right)
         slopes = None if alibi is None else rng.uniform(0, 0.3, (2, 2 * group)[-len(alibi):])
         check_all(q, k, v, dout, causal=causal, window=window, kv_lens=kv_lens,
-                  softcap=softcap, alibi_slopes=slopes)
+                  softcap=softcap, alibi_slopes=slopes, dropout_p=dropout_p, seed=seed)
     finally:
         config.PORTABLE = old
 
@@ -126,7 +127,39 @@ def test_softcap_saturates_and_alibi_prefers_near_keys(n_q):
     np.testing.assert_allclose(near[0, :, -1], v[0, :, -1], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("n_q", [1, 100])  # decode path and tiled path
+def test_dropout_keeps_the_expected_value_and_repeats(n_q):
+    q, k, v = rand((1, 2, n_q, 8), seed=1), rand((1, 2, 120, 8), seed=2), rand((1, 2, 120, 8), seed=3)
+    plain = cpuflash.attention(q, k, v)
+    runs = [cpuflash.attention(q, k, v, dropout_p=0.5, seed=s) for s in range(300)]
+    assert np.array_equal(runs[7], cpuflash.attention(q, k, v, dropout_p=0.5, seed=7))
+    assert not np.array_equal(runs[7], runs[8])
+    mean = np.mean(runs, axis=0)
+    spread = np.std(runs, axis=0) / np.sqrt(len(runs))
+    assert np.all(np.abs(mean - plain) < 5 * spread + 1e-3)  # unbiased: E[out] = out
+
+
+def test_dropout_is_the_same_for_any_thread_count():
+    q, k, v = rand((1, 2, 200, 8), seed=1), rand((1, 2, 300, 8), seed=2), rand((1, 2, 300, 8), seed=3)
+    before = cpuflash.get_num_threads()
+    try:
+        outs = []
+        for n in (1, before):
+            cpuflash.set_num_threads(n)
+            outs.append(cpuflash.attention_vjp(q, k, v, q, dropout_p=0.3, seed=11))
+    finally:
+        cpuflash.set_num_threads(before)
+    for a, b in zip(*outs):
+        assert np.array_equal(a, b)
+
+
 @pytest.mark.parametrize("kwargs,exc,words", [
+    ({"dropout_p": 1.0, "seed": 1}, ValueError, r"dropout_p: expected a number in \[0, 1\)"),
+    ({"dropout_p": -0.1, "seed": 1}, ValueError, "dropout_p"),
+    ({"dropout_p": "0.1", "seed": 1}, TypeError, "dropout_p"),
+    ({"dropout_p": 0.1}, ValueError, "seed: required"),
+    ({"dropout_p": 0.1, "seed": 1.5}, TypeError, "seed: expected an int"),
+    ({"dropout_p": 0.1, "seed": -1}, ValueError, "seed: expected 0 <= seed"),
     ({"softcap": -1.0}, ValueError, "softcap: expected a finite number > 0"),
     ({"softcap": float("nan")}, ValueError, "softcap"),
     ({"softcap": "2"}, TypeError, "softcap"),

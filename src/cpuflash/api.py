@@ -11,7 +11,8 @@ __all__ = ["attention", "attention_backward", "attention_vjp", "merge", "set_num
 
 
 def attention(q, k, v, *, causal=False, scale=None, mask=None, window=None, kv_lens=None,
-              alibi_slopes=None, softcap=None, return_lse=False, out=None):
+              alibi_slopes=None, softcap=None, dropout_p=0.0, seed=None, return_lse=False,
+              out=None):
     """Exact softmax attention, ``softmax(scale * q @ k^T) @ v``, computed tile by tile.
 
     Parameters
@@ -33,6 +34,9 @@ def attention(q, k, v, *, causal=False, scale=None, mask=None, window=None, kv_l
         place of ``Nk``, as FlashAttention's kv-cache call.
     alibi_slopes : float array (Hq,) or (B, Hq): ``s -= slope_h * |i + off - j|``.
     softcap : float > 0: ``s = softcap * tanh(s / softcap)``, applied before ALiBi and masks.
+    dropout_p, seed : dropout on the probabilities, survivors scaled by ``1 / (1 - p)``; the
+        mask is a pure function of ``(seed, b, h, i, j)`` (a seed is required), so the backward
+        pass, reruns and any thread count see the same mask. ``lse`` is without dropout.
     return_lse : bool. Also return ``lse`` (B, Hq, Nq): natural-log log-sum-exp of each row's
         scores, float32 (float64 for float64 input); ``-inf`` for a row that sees no key.
     out : ndarray of the output's shape and dtype, written in place and returned.
@@ -53,6 +57,7 @@ def attention(q, k, v, *, causal=False, scale=None, mask=None, window=None, kv_l
     band = masks.band(causal, window, kv_lens, n_b, n_k)
     mods = masks.modifiers(softcap, alibi_slopes, n_b, q4.shape[1])
     user_mask = masks.UserMask(mask, n_b, q4.shape[1], q4.shape[2], n_k, _compute_dtype(q.dtype))
+    drop = masks.dropout(dropout_p, seed)
     out_shape = q.shape[:-1] + (dv,)
     out = _checks.out_array(out, out_shape, q.dtype)
 
@@ -60,7 +65,7 @@ def attention(q, k, v, *, causal=False, scale=None, mask=None, window=None, kv_l
     q4, k4, v4 = (x if x.dtype == compute else x.astype(compute) for x in (q4, k4, v4))
     direct = (out is not None and out.dtype == compute and out.flags.c_contiguous
               and not any(np.may_share_memory(out, x) for x in (q4, k4, v4)))
-    o4, lse = run_forward(q4, k4, v4, scale, band, mods, user_mask, config.PORTABLE,
+    o4, lse = run_forward(q4, k4, v4, scale, band, mods, user_mask, drop, config.PORTABLE,
                           out=_checks.as_4d(out) if direct else None)
 
     result = o4.reshape(out_shape)
@@ -81,12 +86,14 @@ def _compute_dtype(dtype):
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, mask=None,
-                       window=None, kv_lens=None, alibi_slopes=None, softcap=None):
+                       window=None, kv_lens=None, alibi_slopes=None, softcap=None,
+                       dropout_p=0.0, seed=None):
     """Gradients ``(dq, dk, dv)`` of attention, from the forward pass's ``out`` and ``lse``.
 
     ``dout`` is the gradient of the loss with respect to ``out``; ``out, lse`` are what
     ``attention(q, k, v, return_lse=True, ...)`` returned; ``causal``, ``scale``, ``mask``,
-    ``window``, ``kv_lens``, ``alibi_slopes`` and ``softcap`` must be the forward call's.
+    ``window``, ``kv_lens``, ``alibi_slopes``, ``softcap``, ``dropout_p`` and ``seed`` must be
+    the forward call's.
     Probabilities are recomputed tile by tile from ``lse`` (memory O(N)).
     Returns arrays shaped and typed like ``q``, ``k``, ``v`` (C-contiguous). For GQA, dk/dv
     sum over the query heads of each group. Bitwise the same for any thread count.
@@ -102,6 +109,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, mas
     band = masks.band(causal, window, kv_lens, n_b, n_k)
     mods = masks.modifiers(softcap, alibi_slopes, n_b, q4.shape[1])
     user_mask = masks.UserMask(mask, n_b, q4.shape[1], q4.shape[2], n_k, _compute_dtype(q.dtype))
+    drop = masks.dropout(dropout_p, seed)
     out_shape = q.shape[:-1] + (dv_dim,)
     compute = _compute_dtype(q.dtype)
     _checks.matches("dout", dout, out_shape, q.dtype)
@@ -114,17 +122,17 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, mas
 
     dq, dk, dv = run_backward(as_compute(dout), as_compute(q), as_compute(k), as_compute(v),
                               as_compute(out), lse.reshape(q4.shape[:3]), scale, band, mods,
-                              user_mask, config.PORTABLE)
+                              user_mask, drop, config.PORTABLE)
     return tuple(g.reshape(x.shape).astype(x.dtype, copy=False)
                  for g, x in ((dq, q), (dk, k), (dv, v)))
 
 
 def attention_vjp(q, k, v, dout, *, causal=False, scale=None, mask=None, window=None,
-                  kv_lens=None, alibi_slopes=None, softcap=None):
+                  kv_lens=None, alibi_slopes=None, softcap=None, dropout_p=0.0, seed=None):
     """Forward and backward in one call: returns ``(out, dq, dk, dv)``, the output and the
     vector-Jacobian product of attention with the cotangent ``dout``."""
     opts = dict(causal=causal, scale=scale, mask=mask, window=window, kv_lens=kv_lens,
-                alibi_slopes=alibi_slopes, softcap=softcap)
+                alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p, seed=seed)
     out, lse = attention(q, k, v, return_lse=True, **opts)
     dq, dk, dv = attention_backward(dout, q, k, v, out, lse, **opts)
     return out, dq, dk, dv

@@ -146,3 +146,23 @@ def _mask_4d(mask, shape, compute_dtype):
     if m4.dtype.kind == "f" and m4.dtype not in (np.float32, np.float64):
         m4 = m4.astype(compute_dtype)  # float16: one copy at the mask's own size
     return m4
+
+
+def dropout(dropout_p, seed):
+    """``(drop_below, seed)`` for the kernels; ``(0, 0)`` without dropout."""
+    from ._cpu.dropout import threshold
+    if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p: expected a number in [0, 1), got {dropout_p!r}")
+    p = float(dropout_p)
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout_p: expected a number in [0, 1), got {p}")
+    if p == 0.0:
+        return 0, 0
+    if seed is None:
+        raise ValueError("seed: required with dropout_p > 0 (the backward pass regenerates "
+                         "the dropout mask from it)")
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"seed: expected an int, got {seed!r}")
+    if not 0 <= seed < 2**63:
+        raise ValueError(f"seed: expected 0 <= seed < 2**63, got {seed}")
+    return threshold(p), int(seed)

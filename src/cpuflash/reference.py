@@ -66,8 +66,18 @@ def _user_mask(s, seen, mask):
     return s + mask.astype(np.float64), seen
 
 
+def _dropout_scale(n_b, n_h, n_q, n_k, dropout_p, seed):
+    """(B, H, Nq, Nk): ``keep / (1 - p)`` from the kernels' hash, or None without dropout."""
+    if not dropout_p:
+        return None
+    from ._cpu.dropout import keep_mask
+    rows = np.arange(n_b * n_h * n_q)
+    keep = keep_mask(seed, rows, np.arange(n_k), dropout_p).reshape(n_b, n_h, n_q, n_k)
+    return keep / (1.0 - dropout_p)
+
+
 def attention(q, k, v, *, causal=False, scale=None, mask=None, window=None, kv_lens=None,
-              alibi_slopes=None, softcap=None, return_lse=False):
+              alibi_slopes=None, softcap=None, dropout_p=0.0, seed=None, return_lse=False):
     """float64 ``softmax(scale * q k^T) v`` with the shapes and semantics of ``cpuflash.attention``.
 
     A row that sees no key gives output 0 and ``lse = -inf``.
@@ -92,7 +102,8 @@ def attention(q, k, v, *, causal=False, scale=None, mask=None, window=None, kv_l
     with np.errstate(divide="ignore", invalid="ignore"):
         p = np.where(lsum > 0, p / lsum, 0.0)
         lse = np.where(lsum[..., 0] > 0, (m_safe + np.log(lsum))[..., 0], -np.inf)
-    out = p @ v4
+    drop = _dropout_scale(*p.shape, dropout_p, seed)
+    out = (p if drop is None else p * drop) @ v4
     out = out.reshape(np.shape(q)[:-1] + (v4.shape[-1],))
     if return_lse:
         return out, lse.reshape(np.shape(q)[:-1])
@@ -101,7 +112,7 @@ def attention(q, k, v, *, causal=False, scale=None, mask=None, window=None, kv_l
 
 
 def attention_backward(dout, q, k, v, *, causal=False, scale=None, mask=None, window=None,
-                       kv_lens=None, alibi_slopes=None, softcap=None):
+                       kv_lens=None, alibi_slopes=None, softcap=None, dropout_p=0.0, seed=None):
     """float64 gradients ``(dq, dk, dv)`` of ``sum(dout * attention(q, k, v))``.
 
     ``P = softmax(S)``, ``dV = P^T dO``, ``dP = dO V^T``, ``dS = P * (dP - rowsum(dP * P))``,
@@ -124,8 +135,11 @@ def attention_backward(dout, q, k, v, *, causal=False, scale=None, mask=None, wi
     p = np.where(seen, np.exp(s - np.where(np.isfinite(m), m, 0.0)), 0.0)
     lsum = p.sum(axis=-1, keepdims=True)
     p = np.where(lsum > 0, p / np.where(lsum > 0, lsum, 1.0), 0.0)
-    dv = np.einsum("bhij,bhid->bhjd", p, do4)
+    drop = _dropout_scale(*p.shape, dropout_p, seed)
+    dv = np.einsum("bhij,bhid->bhjd", p if drop is None else p * drop, do4)
     dp = np.einsum("bhid,bhjd->bhij", do4, vr)
+    if drop is not None:
+        dp = dp * drop
     ds = p * (dp - (dp * p).sum(axis=-1, keepdims=True))
     if t is not None:  # through s = softcap * tanh(s_raw / softcap)
         ds = ds * (1.0 - t * t)

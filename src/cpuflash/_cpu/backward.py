@@ -26,6 +26,7 @@ from .. import config
 from ._jit import kernel
 from .masking import (HIDDEN, MIXED, apply_user_mask, mask_tile, tile_key_range,
                       tile_needs_mask)
+from .dropout import dropout_row
 from .scores import modify_row, tanh_grad_row
 from .pack import pack_scaled_rows, packed_rows, packed_transposed
 from .tiles import (add_into, add_into_compensated, exp2_shifted2, softmax_grad_row,
@@ -39,11 +40,12 @@ TASKS_WANTED = 4  # key chunks per (batch, kv head) are added until there are th
 @kernel
 def backward(qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad,
              left, right, kv_lens, softcap2, slopes2, mask, mask_is_bool, tile_state,
-             chunk_starts, portable, dq_part, dk, dv):
+             drop_below, seed, chunk_starts, portable, dq_part, dk, dv):
     """qp: (B, Hq, n_qb * block_q, d_pad) Q times ``scale * log2(e)``, zero-padded, contiguous.
     dout: (B, Hq, Nq, Dv), contiguous. left, right, kv_lens: the band (masking.py).
     softcap2, slopes2 (B, Hq): score modifiers in base-2 units, 0 for off (scores.py).
     mask, mask_is_bool, tile_state: the caller's mask and its tile table (masks.UserMask).
+    drop_below, seed: dropout (dropout.py), the forward's; ``drop_below = 0`` for none.
     lse2 + lse2_lo: (B, Hq, Nq) lse in base 2 as a sum of two floats, ``+inf`` for rows that
     see no key (so their P is 0). delta: (B, Hq, Nq).
     kt, vtt: K and V tiles transposed, kn: K tiles as rows (pack.py). chunk_starts: key-tile
@@ -67,6 +69,7 @@ def backward(qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad
     rows_q = qp.shape[2]
     modify = softcap2 != 0.0 or np.any(slopes2 != 0.0)
     n_k_all = mask.shape[3]
+    inv_keep = 2.0**32 / (2.0**32 - drop_below)  # 1 / (1 - p)
     for task in prange(n_b * n_hkv * n_chunks):
         bh_kv, chunk = divmod(np.int64(task), n_chunks)
         b, hk = divmod(bh_kv, n_hkv)
@@ -144,8 +147,16 @@ def backward(qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad
                     tile_product(ds, 0, block_k, doa, doa_off, dv_pad, 1, vtt_flat,
                                  tile * n_dv * block_k, 0, n_dv, block_q, block_k, n_dv,
                                  False, portable)
+                    if drop_below > 0:  # dP of the dropped P: the same keys drop, same scale
+                        for r in range(rows):
+                            dropout_row(ds, r * block_k, block_k, seed,
+                                        (b * n_hq + h) * n_q + q0 + r, k0, drop_below, inv_keep)
                     for r in range(block_q):
                         softmax_grad_row(s, ds, r * block_k, block_k, delta_r[r], portable)
+                    if drop_below > 0:  # dV takes the dropped P
+                        for r in range(rows):
+                            dropout_row(s, r * block_k, block_k, seed,
+                                        (b * n_hq + h) * n_q + q0 + r, k0, drop_below, inv_keep)
                     if softcap2 != 0.0:  # back through the tanh to the raw scores
                         for r in range(rows):
                             tanh_grad_row(ds, t_cap, r * block_k, block_k)
@@ -190,7 +201,7 @@ def chunk_starts(n_q, n_k, block_k, left, right, n_bh_kv):
     return starts.astype(np.int64)
 
 
-def run_backward(dout, q, k, v, out, lse, scale, band, mods, user_mask, portable):
+def run_backward(dout, q, k, v, out, lse, scale, band, mods, user_mask, drop, portable):
     """Gradients for 4-D arrays of one compute dtype; returns contiguous (dq, dk, dv).
     ``band``: the ``(left, right, kv_lens)`` of masking.py; ``mods``: ``(softcap, slopes)``."""
     left, right, kv_lens = band
@@ -230,7 +241,8 @@ def run_backward(dout, q, k, v, out, lse, scale, band, mods, user_mask, portable
     dout = np.ascontiguousarray(dout)  # one compiled kernel per dtype
     backward(qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad,
              left, right, kv_lens, softcap2, slopes2, user_mask.view, user_mask.is_bool,
-             user_mask.tile_states(block_q, block_k), starts, portable, dq_part, dk, dv)
+             user_mask.tile_states(block_q, block_k), drop[0], drop[1], starts, portable,
+             dq_part, dk, dv)
     total = dq_part[0]
     for part in dq_part[1:]:  # fixed order: the same bits for any thread count
         total += part

@@ -21,6 +21,7 @@ from numba import prange
 
 from . import simd
 from ._jit import helper, kernel
+from .dropout import dropout_row
 from .masking import apply_user_mask, row_band
 from .scores import modify_row
 from .tiles import MR, online_softmax, rescale_add, tile_product
@@ -57,8 +58,8 @@ def axpy_row(acc, acc_off, p, vf, v_off, dv, dv_vec):
 
 @kernel
 def decode(q, kf, k_strides, vf, v_strides, n_hkv, n_k, d, dv, n_splits, scale2, left, right,
-           kv_lens, softcap2, slopes2, mask, mask_given, mask_is_bool, m_part, l_part,
-           acc_part):
+           kv_lens, softcap2, slopes2, mask, mask_given, mask_is_bool, drop_below, seed,
+           m_part, l_part, acc_part):
     """q: (B, Hq, Nq, D) any strides. kf, vf: 1-D views from the first element of K and V;
     element (b, h, j, c) is at ``b*s0 + h*s1 + j*s2 + c`` with ``k_strides = (s0, s1, s2)``.
     left, right, kv_lens: the band of keys each row sees (masking.py); the splits divide the
@@ -77,6 +78,7 @@ def decode(q, kf, k_strides, vf, v_strides, n_hkv, n_k, d, dv, n_splits, scale2,
     ld = dv  # acc row stride
     split_len = (n_k + n_splits - 1) // n_splits
     modify = softcap2 != 0.0 or np.any(slopes2 != 0.0)
+    inv_keep = 2.0**32 / (2.0**32 - drop_below)  # 1 / (1 - p)
     no_t = np.empty(0, dtype=acc_part.dtype)
     for task in prange(n_b * n_hkv * n_splits):
         bh_kv, split = divmod(np.int64(task), n_splits)
@@ -124,6 +126,10 @@ def decode(q, kf, k_strides, vf, v_strides, n_hkv, n_k, d, dv, n_splits, scale2,
             online_softmax(s, CHUNK, rows, m_i, l_tile, alpha_i, False)
             for r in range(rows):
                 l_i[r] = alpha_i[r] * l_i[r] + l_tile[r]
+                if drop_below > 0:
+                    dropout_row(s, r * CHUNK, CHUNK, seed,
+                                (b * n_hq + hk * group + r // n_q) * n_q + r % n_q, c0,
+                                drop_below, inv_keep)
             if tiled:
                 tile_product(pv, 0, ld, s, 0, CHUNK, 1, vf, v_head + c0 * v_strides[2],
                              v_strides[2], 1, rows_pad, dv, n_c, False, False)
@@ -188,7 +194,7 @@ def _flat_view(x):
     return flat, steps
 
 
-def run_decode(q, k, v, scale, band, mods, user_mask, out=None):
+def run_decode(q, k, v, scale, band, mods, user_mask, drop, out=None):
     """The decode path for 4-D arrays of one compute dtype, or None where it does not apply
     (K or V rows not unit-stride): the caller then takes the tiled path. ``band``: the
     ``(left, right, kv_lens)`` of masking.py."""
@@ -208,7 +214,7 @@ def run_decode(q, k, v, scale, band, mods, user_mask, out=None):
     acc_part = np.empty((n_splits, n_b, n_hq, n_q, dv), dtype=dtype)
     decode(q, k_view[0], k_view[1], v_view[0], v_view[1], n_hkv, n_k, d, dv, n_splits,
            scale * LOG2_E, left, right, kv_lens, softcap2, slopes2, user_mask.view,
-           user_mask.given, user_mask.is_bool, m_part, l_part, acc_part)
+           user_mask.given, user_mask.is_bool, drop[0], drop[1], m_part, l_part, acc_part)
     if out is None:
         out = np.empty((n_b, n_hq, n_q, dv), dtype=dtype)
     lse = np.empty((n_b, n_hq, n_q), dtype=dtype)

@@ -34,6 +34,7 @@ from .decode import run_decode
 from .pack import packed_kv
 from .masking import (HIDDEN, MIXED, apply_user_mask, mask_tile, tile_key_range,
                       tile_needs_mask)
+from .dropout import dropout_row
 from .scores import modify_row
 from .tiles import online_softmax, rescale_add, tile_product
 
@@ -52,7 +53,7 @@ def balanced_order(j, n):
 
 @kernel
 def forward(q, kt, vt, block_q, scale2, left, right, kv_lens, softcap2, slopes2, mask,
-            mask_is_bool, tile_state, portable, out, lse):
+            mask_is_bool, tile_state, drop_below, seed, portable, out, lse):
     """Attention forward on packed K/V.
 
     q: (B, Hq, Nq, D) any strides, float32/float64. kt, vt: from ``pack.packed_kv``.
@@ -60,6 +61,7 @@ def forward(q, kt, vt, block_q, scale2, left, right, kv_lens, softcap2, slopes2,
     left, right, kv_lens: the band of keys each row sees (masking.py); kv_lens: (B,) int64.
     softcap2, slopes2 (B, Hq): the score modifiers in base-2 units, 0 for off (scores.py).
     mask, mask_is_bool, tile_state: the caller's mask and its tile table (masks.UserMask).
+    drop_below, seed: dropout (dropout.py); ``drop_below = 0`` for none.
     out: (B, Hq, Nq, Dv) contiguous. lse: (B, Hq, Nq), natural log.
     """
     n_b, n_hq, n_q, d = q.shape
@@ -76,6 +78,7 @@ def forward(q, kt, vt, block_q, scale2, left, right, kv_lens, softcap2, slopes2,
     modify = softcap2 != 0.0 or np.any(slopes2 != 0.0)
     no_t = np.empty(0, dtype=out.dtype)
     n_k_all = mask.shape[3]
+    inv_keep = 2.0**32 / (2.0**32 - drop_below)  # 1 / (1 - p)
     for task in prange(n_b * n_hq * n_qb):
         bh, qb = divmod(np.int64(task), n_qb)
         qb = balanced_order(qb, n_qb)
@@ -116,6 +119,10 @@ def forward(q, kt, vt, block_q, scale2, left, right, kv_lens, softcap2, slopes2,
             online_softmax(s, block_k, block_q, m_i, l_tile_sums, alpha_i, portable)
             for r in range(block_q):
                 l_i[r] = alpha_i[r] * l_i[r] + l_tile_sums[r]
+            if drop_below > 0:  # after the sums: l normalizes the probabilities before dropout
+                for r in range(rows):
+                    dropout_row(s, r * block_k, block_k, seed, (b * n_hq + h) * n_q + q0 + r,
+                                k0, drop_below, inv_keep)
             # This tile's P @ V on its own, then acc = alpha * acc + it: each tile's sum is short,
             # which keeps float32 rounding lower than one long running sum over all keys.
             n_valid = min(block_k, n_k - k0)  # keys past kv_len have P = 0: V rows never read
@@ -134,13 +141,14 @@ def forward(q, kt, vt, block_q, scale2, left, right, kv_lens, softcap2, slopes2,
                 lse[b, h, q0 + r] = (m_i[r] + np.log2(l_i[r])) * LN2
 
 
-def run_forward(q, k, v, scale, band, mods, user_mask, portable, out=None):
+def run_forward(q, k, v, scale, band, mods, user_mask, drop, portable, out=None):
     """Pack K/V and run the kernel on 4-D arrays of one compute dtype (float32 or float64).
 
     Returns ``out`` (B, Hq, Nq, Dv), contiguous, and ``lse`` (B, Hq, Nq), both in that dtype.
     ``out``, if given, must be such an array; it is written in place. ``band``: the
     ``(left, right, kv_lens)`` of masking.py; ``mods``: ``(softcap, alibi_slopes (B, Hq))``
-    in natural units (scores.py); ``user_mask``: a ``masks.UserMask``.
+    in natural units (scores.py); ``user_mask``: a ``masks.UserMask``; ``drop``:
+    ``(drop_below, seed)`` (dropout.py).
     """
     left, right, kv_lens = band
     softcap2, slopes2 = mods[0] * LOG2_E, mods[1] * LOG2_E
@@ -155,7 +163,8 @@ def run_forward(q, k, v, scale, band, mods, user_mask, portable, out=None):
         out[...] = 0.0
         lse[...] = -np.inf
         return out, lse
-    decoded = run_decode(q, k, v, scale, band, mods, user_mask, out) if not portable else None
+    decoded = (run_decode(q, k, v, scale, band, mods, user_mask, drop, out)
+               if not portable else None)
     if decoded is not None:
         return decoded
     block_k = config.block_k(d)
@@ -163,5 +172,5 @@ def run_forward(q, k, v, scale, band, mods, user_mask, portable, out=None):
     block_q = config.block_q(n_q, d, n_b * n_hq, numba.get_num_threads())
     forward(q, kt, vt, block_q, scale * LOG2_E, left, right, kv_lens, softcap2, slopes2,
             user_mask.view, user_mask.is_bool, user_mask.tile_states(block_q, block_k),
-            portable, out, lse)
+            drop[0], drop[1], portable, out, lse)
     return out, lse
