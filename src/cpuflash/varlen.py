@@ -1,0 +1,110 @@
+"""Packed sequences of different lengths, as FlashAttention's varlen API.
+
+``q`` is ``(total_q, Hq, D)``, ``k``/``v`` ``(total_k, Hkv, D)``/``(total_k, Hkv, Dv)``, and
+sequence ``b`` owns rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` of ``q`` and
+``cu_seqlens_k[b]:cu_seqlens_k[b+1]`` of ``k``/``v``. Each sequence is one ``attention`` call on
+``(H, n, D)`` views of the packed arrays (no copies, no padding): a batch pays for its real
+tokens only. ``lse`` is ``(Hq, total_q)``, as FlashAttention's.
+
+Per sequence, ``causal``/``window`` align to that sequence's bottom-right corner, ``alibi_slopes``
+may be ``(Hq,)`` or ``(B, Hq)``, and dropout uses the seed ``seed * 1000003 + b`` (mod 2^63), so
+sequences get independent masks.
+"""
+import numpy as np
+
+from . import _checks
+from .api import attention, attention_backward
+
+__all__ = ["attention_varlen", "attention_varlen_backward"]
+
+
+def _sequences(cu_seqlens_q, cu_seqlens_k, total_q, total_k):
+    for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, total_q),
+                            ("cu_seqlens_k", cu_seqlens_k, total_k)):
+        if not isinstance(cu, np.ndarray) or not np.issubdtype(cu.dtype, np.integer):
+            raise TypeError(f"{name}: expected a 1-D integer numpy array, got "
+                            f"{cu.dtype if isinstance(cu, np.ndarray) else type(cu).__name__}")
+        if cu.ndim != 1 or cu.size < 1:
+            raise ValueError(f"{name}: expected a 1-D array of B + 1 offsets, got shape {cu.shape}")
+        if cu[0] != 0 or cu[-1] != total or np.any(np.diff(cu) < 0):
+            raise ValueError(f"{name}: expected non-decreasing offsets from 0 to {total} "
+                             f"(the packed length), got {cu.tolist()[:8]}")
+    if cu_seqlens_q.size != cu_seqlens_k.size:
+        raise ValueError(f"cu_seqlens_q, cu_seqlens_k: expected the same number of sequences, "
+                         f"got {cu_seqlens_q.size - 1} and {cu_seqlens_k.size - 1}")
+    return [(int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1]), int(cu_seqlens_k[b]),
+             int(cu_seqlens_k[b + 1])) for b in range(cu_seqlens_q.size - 1)]
+
+
+def _packed(q, k, v):
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _checks.array(name, x)
+        if x.ndim != 3:
+            raise ValueError(f"{name}: expected packed (total, H, D), got shape {x.shape}")
+    _checks.same_dtype(q=q, k=k, v=v)
+
+
+def _per_sequence(b, alibi_slopes, seed, dropout_p):
+    slopes = alibi_slopes
+    if isinstance(alibi_slopes, np.ndarray) and alibi_slopes.ndim == 2:
+        slopes = alibi_slopes[b]
+    seq_seed = None if seed is None or not dropout_p else (int(seed) * 1000003 + b) % 2**63
+    return slopes, seq_seed
+
+
+def _heads_first(x):
+    """(n, H, D) rows of the packed array as an (H, n, D) view."""
+    return x.transpose(1, 0, 2)
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale=None,
+                     window=None, alibi_slopes=None, softcap=None, dropout_p=0.0, seed=None,
+                     return_lse=False):
+    """Attention over packed variable-length sequences; returns ``out`` (total_q, Hq, Dv) and,
+    with ``return_lse``, ``lse`` (Hq, total_q). Options as ``cpuflash.attention``."""
+    _packed(q, k, v)
+    seqs = _sequences(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])
+    if alibi_slopes is not None and isinstance(alibi_slopes, np.ndarray) and \
+            alibi_slopes.ndim == 2 and alibi_slopes.shape[0] != len(seqs):
+        raise ValueError(f"alibi_slopes: expected ({q.shape[1]},) or ({len(seqs)}, "
+                         f"{q.shape[1]}), got {alibi_slopes.shape}")
+    out = np.zeros(q.shape[:2] + (v.shape[2],), dtype=q.dtype)
+    lse = np.full((q.shape[1], q.shape[0]), -np.inf,
+                  dtype=np.float64 if q.dtype == np.float64 else np.float32)
+    for b, (q0, q1, k0, k1) in enumerate(seqs):
+        if q1 == q0:
+            continue
+        slopes, seq_seed = _per_sequence(b, alibi_slopes, seed, dropout_p)
+        o, l_seq = attention(_heads_first(q[q0:q1]), _heads_first(k[k0:k1]),
+                             _heads_first(v[k0:k1]), causal=causal, scale=scale, window=window,
+                             alibi_slopes=slopes, softcap=softcap, dropout_p=dropout_p,
+                             seed=seq_seed, return_lse=True)
+        out[q0:q1] = o.transpose(1, 0, 2)
+        lse[:, q0:q1] = l_seq
+    return (out, lse) if return_lse else out
+
+
+def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *,
+                              causal=False, scale=None, window=None, alibi_slopes=None,
+                              softcap=None, dropout_p=0.0, seed=None):
+    """Gradients ``(dq, dk, dv)`` of ``attention_varlen``, packed like ``q``, ``k``, ``v``;
+    the options must be the forward call's."""
+    _packed(q, k, v)
+    seqs = _sequences(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])
+    _checks.matches("dout", dout, q.shape[:2] + (v.shape[2],), q.dtype)
+    _checks.matches("out", out, q.shape[:2] + (v.shape[2],), q.dtype)
+    _checks.matches("lse", lse, (q.shape[1], q.shape[0]),
+                    np.float64 if q.dtype == np.float64 else np.float32)
+    dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    for b, (q0, q1, k0, k1) in enumerate(seqs):
+        if q1 == q0 or k1 == k0:
+            continue
+        slopes, seq_seed = _per_sequence(b, alibi_slopes, seed, dropout_p)
+        grads = attention_backward(
+            _heads_first(dout[q0:q1]), _heads_first(q[q0:q1]), _heads_first(k[k0:k1]),
+            _heads_first(v[k0:k1]), np.ascontiguousarray(_heads_first(out[q0:q1])),
+            np.ascontiguousarray(lse[:, q0:q1]), causal=causal, scale=scale, window=window,
+            alibi_slopes=slopes, softcap=softcap, dropout_p=dropout_p, seed=seq_seed)
+        for full, g, (a, z) in zip((dq, dk, dv), grads, ((q0, q1), (k0, k1), (k0, k1))):
+            full[a:z] = g.transpose(1, 0, 2)
+    return dq, dk, dv
