@@ -16,7 +16,7 @@ import numbers
 
 import numpy as np
 
-from ._cpu.masking import CLEAR, HIDDEN, MIXED, UNBOUNDED
+from ._cpu.masking import CLEAR, UNBOUNDED, tile_state_table
 
 
 def window_sides(window):
@@ -112,21 +112,10 @@ class UserMask:
         if not self.given or n_q == 0 or n_k == 0:
             return np.broadcast_to(np.int8(CLEAR), (n_b, n_hq, n_qb, n_kb))
         m = self.raw
-        if self.is_bool:
-            seen, clear = np.logical_or, np.logical_and
-        else:  # seen: some score above -inf; clear: every value 0.0 (max == min == 0)
-            seen, clear = np.maximum, np.minimum
-        hi, lo = m, m
-        for axis, size, block in ((2, n_q, block_q), (3, n_k, block_k)):
-            if m.shape[axis] > 1:
-                starts = np.arange(0, size, block)
-                hi = seen.reduceat(hi, starts, axis=axis)
-                lo = clear.reduceat(lo, starts, axis=axis)
-        if self.is_bool:
-            any_seen, all_clear = hi, lo
-        else:
-            any_seen, all_clear = hi > -np.inf, (hi == 0) & (lo == 0)
-        states = np.where(~any_seen, HIDDEN, np.where(all_clear, CLEAR, MIXED)).astype(np.int8)
+        n_qb_raw = n_qb if m.shape[2] > 1 else 1
+        states = np.empty(m.shape[:2] + (n_qb_raw, n_kb), dtype=np.int8)
+        tile_state_table(m, self.is_bool, block_q if m.shape[2] > 1 else 1, block_k, n_kb,
+                         states)
         return np.broadcast_to(states, (n_b, n_hq, n_qb, n_kb))
 
 

@@ -19,8 +19,9 @@ A caller's bool/float mask comes with a small table of tile states (``masks.tile
 cost nothing, and only ``MIXED`` tiles are masked element by element (``apply_user_mask``).
 """
 import numpy as np
+from numba import prange
 
-from ._jit import helper
+from ._jit import helper, kernel
 
 UNBOUNDED = 1 << 40  # a window side with no limit (any sequence is shorter)
 HIDDEN, MIXED, CLEAR = 0, 1, 2  # tile states of a caller's mask
@@ -72,10 +73,40 @@ def apply_user_mask(s, off, ld, rows, mask, is_bool, b, h, q0, k0, n_cols, log2e
     bool: ``False`` sets ``-inf``; float: adds ``mask * log2(e)`` (base-2 units). ``mask`` is
     a (B, Hq, Nq, Nk) view, broadcast by stride 0, never a dense copy."""
     for r in range(rows):
-        for j in range(n_cols):
-            x = mask[b, h, q0 + r, k0 + j]
-            if is_bool:
-                if not x:
-                    s[off + r * ld + j] = -np.inf
-            else:
-                s[off + r * ld + j] += x * log2e
+        mask_row = mask[b, h, q0 + r, k0:k0 + n_cols]  # a view: strided or broadcast
+        row = off + r * ld
+        if is_bool:
+            for j in range(n_cols):
+                s[row + j] = s[row + j] if mask_row[j] else -np.inf
+        else:
+            for j in range(n_cols):
+                s[row + j] += mask_row[j] * log2e
+
+
+@kernel
+def tile_state_table(raw, is_bool, block_q, block_k, n_kb, states):
+    """``states[b, h, qb, kb]`` of the caller's mask ``raw`` (B', H', Nq' in {1, Nq}, Nk' in
+    {1, Nk}), in one parallel pass over it: HIDDEN if every entry is False / -inf, CLEAR if
+    every entry is True / 0.0, else MIXED. ``states`` is (B', H', n_qb', n_kb)."""
+    n_b, n_h, n_q, n_k = raw.shape
+    n_qb = states.shape[2]
+    for task in prange(n_b * n_h * n_qb):
+        bh, qb = divmod(np.int64(task), n_qb)
+        b, h = divmod(bh, n_h)
+        q0 = qb * block_q
+        q1 = min(n_q, q0 + block_q)
+        for kb in range(n_kb):
+            k0 = 0 if n_k == 1 else kb * block_k
+            k1 = 1 if n_k == 1 else min(n_k, k0 + block_k)
+            seen = False
+            clear = True
+            for i in range(q0, q1):
+                for j in range(k0, k1):
+                    x = raw[b, h, i, j]
+                    if is_bool:
+                        seen = seen or x
+                        clear = clear and x
+                    else:
+                        seen = seen or x > -np.inf
+                        clear = clear and x == 0.0
+            states[b, h, qb, kb] = CLEAR if clear else (MIXED if seen else HIDDEN)
