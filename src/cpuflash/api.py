@@ -44,29 +44,16 @@ def attention(q, k, v, *, causal=False, scale=None, mask=None, window=None, kv_l
     Any strides are accepted (transposed or broadcast views); float16 computes in float32.
     A row that sees no key gets output 0 (and ``lse = -inf``).
     """
-    _checks.array("q", q)
-    _checks.array("k", k)
-    _checks.array("v", v)
-    _checks.same_rank(q=q, k=k, v=v)
-    _checks.same_dtype(q=q, k=k, v=v)
-    causal = _checks.flag("causal", causal)
     return_lse = _checks.flag("return_lse", return_lse)
-    q4, k4, v4 = _checks.as_4d(q), _checks.as_4d(k), _checks.as_4d(v)
-    n_b, _, _, _, n_k, d, dv = _checks.qkv_shapes(q4, k4, v4)
-    scale = _checks.scale(scale, d)
-    band = masks.band(causal, window, kv_lens, n_b, n_k)
-    mods = masks.modifiers(softcap, alibi_slopes, n_b, q4.shape[1])
-    user_mask = masks.UserMask(mask, n_b, q4.shape[1], q4.shape[2], n_k, _compute_dtype(q.dtype))
-    drop = masks.dropout(dropout_p, seed)
-    out_shape = q.shape[:-1] + (dv,)
+    call = _prepare(q, k, v, causal, scale, mask, window, kv_lens, alibi_slopes, softcap,
+                    dropout_p, seed)
+    out_shape = q.shape[:-1] + (call.dv,)
     out = _checks.out_array(out, out_shape, q.dtype)
-
-    compute = np.float64 if q.dtype == np.float64 else np.float32
-    q4, k4, v4 = (x if x.dtype == compute else x.astype(compute) for x in (q4, k4, v4))
-    direct = (out is not None and out.dtype == compute and out.flags.c_contiguous
+    q4, k4, v4 = (call.in_compute(x) for x in (q, k, v))
+    direct = (out is not None and out.dtype == call.compute and out.flags.c_contiguous
               and not any(np.may_share_memory(out, x) for x in (q4, k4, v4)))
-    o4, lse = run_forward(q4, k4, v4, scale, band, mods, user_mask, drop, config.PORTABLE,
-                          out=_checks.as_4d(out) if direct else None)
+    o4, lse = run_forward(q4, k4, v4, call.scale, call.band, call.mods, call.mask, call.drop,
+                          config.PORTABLE, out=_checks.as_4d(out) if direct else None)
 
     result = o4.reshape(out_shape)
     if out is not None and not direct:
@@ -85,6 +72,38 @@ def _compute_dtype(dtype):
     return np.dtype(np.float64 if dtype == np.float64 else np.float32)
 
 
+class _Call:
+    """One call's checked arguments: what the kernels take, in the compute dtype."""
+
+    def __init__(self, **fields):
+        self.__dict__.update(fields)
+
+    def in_compute(self, x):
+        """``x`` as a 4-D array of the compute dtype (a view unless a cast is needed)."""
+        x = _checks.as_4d(x)
+        return x if x.dtype == self.compute else x.astype(self.compute)
+
+
+def _prepare(q, k, v, causal, scale, mask, window, kv_lens, alibi_slopes, softcap, dropout_p,
+             seed):
+    """The checks and defaults shared by the forward and backward calls."""
+    _checks.array("q", q)
+    _checks.array("k", k)
+    _checks.array("v", v)
+    _checks.same_rank(q=q, k=k, v=v)
+    _checks.same_dtype(q=q, k=k, v=v)
+    causal = _checks.flag("causal", causal)
+    q4, k4, v4 = _checks.as_4d(q), _checks.as_4d(k), _checks.as_4d(v)
+    n_b, n_hq, _, n_q, n_k, d, dv = _checks.qkv_shapes(q4, k4, v4)
+    compute = _compute_dtype(q.dtype)
+    return _Call(
+        dv=dv, compute=compute, scale=_checks.scale(scale, d),
+        band=masks.band(causal, window, kv_lens, n_b, n_k),
+        mods=masks.modifiers(softcap, alibi_slopes, n_b, n_hq),
+        mask=masks.UserMask(mask, n_b, n_hq, n_q, n_k, compute),
+        drop=masks.dropout(dropout_p, seed))
+
+
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, mask=None,
                        window=None, kv_lens=None, alibi_slopes=None, softcap=None,
                        dropout_p=0.0, seed=None):
@@ -98,31 +117,15 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, mas
     Returns arrays shaped and typed like ``q``, ``k``, ``v`` (C-contiguous). For GQA, dk/dv
     sum over the query heads of each group. Bitwise the same for any thread count.
     """
-    for name, x in (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out)):
-        _checks.array(name, x)
-    _checks.same_rank(q=q, k=k, v=v)
-    _checks.same_dtype(q=q, k=k, v=v)
-    causal = _checks.flag("causal", causal)
-    q4, k4, v4 = _checks.as_4d(q), _checks.as_4d(k), _checks.as_4d(v)
-    n_b, _, _, _, n_k, d, dv_dim = _checks.qkv_shapes(q4, k4, v4)
-    scale = _checks.scale(scale, d)
-    band = masks.band(causal, window, kv_lens, n_b, n_k)
-    mods = masks.modifiers(softcap, alibi_slopes, n_b, q4.shape[1])
-    user_mask = masks.UserMask(mask, n_b, q4.shape[1], q4.shape[2], n_k, _compute_dtype(q.dtype))
-    drop = masks.dropout(dropout_p, seed)
-    out_shape = q.shape[:-1] + (dv_dim,)
-    compute = _compute_dtype(q.dtype)
+    call = _prepare(q, k, v, causal, scale, mask, window, kv_lens, alibi_slopes, softcap,
+                    dropout_p, seed)
+    out_shape = q.shape[:-1] + (call.dv,)
     _checks.matches("dout", dout, out_shape, q.dtype)
     _checks.matches("out", out, out_shape, q.dtype)
-    _checks.matches("lse", lse, q.shape[:-1], compute)
-
-    def as_compute(x):
-        x = _checks.as_4d(x)
-        return x if x.dtype == compute else x.astype(compute)
-
-    dq, dk, dv = run_backward(as_compute(dout), as_compute(q), as_compute(k), as_compute(v),
-                              as_compute(out), lse.reshape(q4.shape[:3]), scale, band, mods,
-                              user_mask, drop, config.PORTABLE)
+    _checks.matches("lse", lse, q.shape[:-1], call.compute)
+    dq, dk, dv = run_backward(*(call.in_compute(x) for x in (dout, q, k, v, out)),
+                              lse.reshape(call.in_compute(q).shape[:3]), call.scale, call.band,
+                              call.mods, call.mask, call.drop, config.PORTABLE)
     return tuple(g.reshape(x.shape).astype(x.dtype, copy=False)
                  for g, x in ((dq, q), (dk, k), (dv, v)))
 
