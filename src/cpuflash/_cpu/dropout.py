@@ -5,10 +5,11 @@ Whether key ``j`` survives for query row ``row = (b * Hq + h) * Nq + i`` is a pu
 ``p * 2^32``. The forward pass, the backward pass, reruns and any thread count regenerate
 the same decision for every element; survivors are scaled by ``1 / (1 - p)``, so the expected
 output is the output without dropout. ``keep_mask`` is the same function in numpy, for the
-reference. Cost: about 4.4 us per 64 x 128 tile here, a quarter of the tile's time.
+reference.
 """
 import numpy as np
 
+from . import simd
 from ._jit import helper
 
 MASK32 = 0xFFFFFFFF
@@ -49,10 +50,16 @@ def row_mix(seed, row):
 
 @helper
 def dropout_row(s, off, n, seed, row, j0, drop_below, inv_keep):
-    """``s[off + jj] *= (0 if dropped else 1 / (1 - p))`` for keys ``j0 + jj``, ``jj < n``."""
+    """``s[off + jj] *= (0 if dropped else 1 / (1 - p))`` for keys ``j0 + jj``, ``jj < n``:
+    whole vectors through ``simd.vdropout`` (32-bit integer lanes), the rest one by one."""
     mix = row_mix(seed, row)
     below = np.uint64(drop_below)
-    for jj in range(n):
+    lanes = simd.lanes_of(s)
+    n_vec = n // lanes * lanes
+    for jj in range(0, n_vec, lanes):
+        simd.vstore(s, off + jj, simd.vdropout(simd.vload(s, off + jj), mix, j0 + jj, below,
+                                               inv_keep))
+    for jj in range(n_vec, n):
         keep = hash_bits(mix, j0 + jj) >= below
         s[off + jj] *= inv_keep if keep else 0.0
 

@@ -388,3 +388,45 @@ def lanes_of(typingctx, arr):
         return context.get_constant(types.intp, vt.width)
 
     return types.intp(arr), codegen
+
+
+# ---------------------------------------------------------------------------------------------
+# dropout: murmur3's 32-bit finalizer on vectors of 32-bit lanes (see dropout.py)
+
+
+@intrinsic
+def vdropout(typingctx, p, mix, j0, below, inv_keep):
+    """``p`` with lane ``l`` kept (times ``inv_keep``) where ``hash(mix, j0 + l) >= below``,
+    else 0; ``hash`` is ``dropout.hash_bits`` computed in 32-bit integer lanes."""
+    if not isinstance(p, Vec):
+        return None
+
+    def codegen(context, builder, sig, args):
+        p_v, mix_v, j0_v, below_v, inv_v = args
+        n = p_v.type.count
+        i32 = ir.IntType(32)
+        ity = ir.VectorType(i32, n)
+
+        def splat_int(value):
+            return _splat(builder, value, ity)
+
+        def const(c):
+            return ir.Constant(ity, [c] * n)
+
+        mix32 = builder.trunc(context.cast(builder, mix_v, sig.args[1], types.uint64), i32)
+        j32 = builder.trunc(context.cast(builder, j0_v, sig.args[2], types.int64), i32)
+        lanes = ir.Constant(ity, list(range(n)))
+        j = builder.add(splat_int(j32), lanes)
+        x = builder.add(splat_int(mix32), builder.mul(j, const(0xC2B2AE3D)))
+        x = builder.xor(x, builder.lshr(x, const(16)))
+        x = builder.mul(x, const(0x85EBCA6B))
+        x = builder.xor(x, builder.lshr(x, const(13)))
+        x = builder.mul(x, const(0xC2B2AE35))
+        x = builder.xor(x, builder.lshr(x, const(16)))
+        below32 = builder.trunc(context.cast(builder, below_v, sig.args[3], types.uint64), i32)
+        keep = builder.icmp_unsigned(">=", x, splat_int(below32))
+        inv = context.cast(builder, inv_v, sig.args[4], p.dtype)
+        kept = builder.fmul(p_v, _splat(builder, inv, p_v.type))
+        return builder.select(keep, kept, ir.Constant(p_v.type, None))
+
+    return p(p, types.uint64, types.int64, types.uint64, types.float64), codegen
