@@ -84,11 +84,14 @@ def apply_user_mask(s, off, ld, rows, mask, is_bool, b, h, q0, k0, n_cols, log2e
 
 
 @kernel
-def tile_state_table(raw, is_bool, block_q, block_k, n_kb, states):
-    """``states[b, h, qb, kb]`` of the caller's mask ``raw`` (B', H', Nq' in {1, Nq}, Nk' in
-    {1, Nk}), in one parallel pass over it: HIDDEN if every entry is False / -inf, CLEAR if
-    every entry is True / 0.0, else MIXED. ``states`` is (B', H', n_qb', n_kb)."""
-    n_b, n_h, n_q, n_k = raw.shape
+def tile_state_table(bits, clear_bits, hidden_bits, block_q, block_k, n_kb, states):
+    """``states[b, h, qb, kb]`` of the caller's mask in one parallel pass over it: CLEAR if every
+    entry of the tile is the "attend, add nothing" value, HIDDEN if every entry is the "never
+    attend" value, else MIXED. ``bits`` is the mask viewed as unsigned integers of its own
+    width (B', H', Nq' in {1, Nq}, Nk' in {1, Nk}), ``clear_bits``/``hidden_bits`` the bit
+    patterns of True/False or 0.0/-inf: integer OR-reductions of ``x ^ pattern``, which LLVM
+    vectorizes (float min/max reductions it does not). ``states`` is (B', H', n_qb', n_kb)."""
+    n_b, n_h, n_q, n_k = bits.shape
     n_qb = states.shape[2]
     for task in prange(n_b * n_h * n_qb):
         bh, qb = divmod(np.int64(task), n_qb)
@@ -98,15 +101,12 @@ def tile_state_table(raw, is_bool, block_q, block_k, n_kb, states):
         for kb in range(n_kb):
             k0 = 0 if n_k == 1 else kb * block_k
             k1 = 1 if n_k == 1 else min(n_k, k0 + block_k)
-            seen = False
-            clear = True
+            not_clear = 0
+            not_hidden = 0
             for i in range(q0, q1):
-                for j in range(k0, k1):
-                    x = raw[b, h, i, j]
-                    if is_bool:
-                        seen = seen or x
-                        clear = clear and x
-                    else:
-                        seen = seen or x > -np.inf
-                        clear = clear and x == 0.0
-            states[b, h, qb, kb] = CLEAR if clear else (MIXED if seen else HIDDEN)
+                row = bits[b, h, i, k0:k1]
+                for j in range(k1 - k0):
+                    not_clear |= row[j] ^ clear_bits
+                    not_hidden |= row[j] ^ hidden_bits
+            states[b, h, qb, kb] = CLEAR if not_clear == 0 else (
+                HIDDEN if not_hidden == 0 else MIXED)
