@@ -47,6 +47,8 @@ def tanh_vec(s, y, small):
     poly = simd.vfma(poly, y2, simd.vsplat(s, TANH_SERIES[1]))
     poly = simd.vfma(poly, y2, simd.vsplat(s, TANH_SERIES[0]))
     a = simd.vabs(y)
+    if simd.vhmax(a) < SERIES_BELOW:  # every lane small (common: softcap >> scores)
+        return simd.vmul(y, poly)
     e = simd.vexp2(simd.vmul(a, simd.vsplat(s, -2.0 * LOG2_E)))
     one = simd.vsplat(s, 1.0)
     t_abs = simd.vdiv(simd.vsub(one, e), simd.vadd(one, e))
