@@ -16,14 +16,7 @@ import threading
 import numpy as np
 from numba import prange
 
-from ._jit import helper, kernel
-
-
-@helper
-def panel_index(r, c, rows, cols, w):
-    """Flat index of element (r, c) of a (rows, cols) tile stored in column panels of width w."""
-    c0 = c - c % w
-    return c0 * rows + r * min(w, cols - c0) + (c - c0)
+from ._jit import kernel
 
 
 @kernel
@@ -37,16 +30,16 @@ def pack_keys_transposed(k, block_k, w, kt):
         b, h = divmod(bh, n_h)
         j0 = kb * block_k
         n_valid = min(block_k, n_k - j0)
-        # Transpose in 16 x 16 blocks, so that neither the reads nor the writes stride through
-        # more cache lines than L1 holds.
-        for jb in range(0, n_valid, 16):
-            for db in range(0, d, 16):
-                for dd in range(db, min(d, db + 16)):
-                    for j in range(jb, min(n_valid, jb + 16)):
-                        kt[bh, kb, panel_index(dd, j, d, block_k, w)] = k[b, h, j0 + j, dd]
-        for dd in range(d):
-            for j in range(n_valid, block_k):
-                kt[bh, kb, panel_index(dd, j, d, block_k, w)] = 0.0
+        # One panel (w keys x D) at a time: its w rows of K stay in L1 while each of its D
+        # rows is written out contiguously.
+        for p0 in range(0, block_k, w):
+            width = min(w, block_k - p0)
+            base = p0 * d
+            for dd in range(d):
+                row = base + dd * width
+                for jj in range(width):
+                    j = p0 + jj
+                    kt[bh, kb, row + jj] = k[b, h, j0 + j, dd] if j < n_valid else 0.0
 
 
 @kernel
@@ -60,12 +53,18 @@ def pack_values(v, block_k, dv_pad, w, zero_nonfinite, vt):
         bh, kb = divmod(np.int64(task), n_blocks)
         b, h = divmod(bh, n_h)
         j0 = kb * block_k
-        for j in range(block_k):
-            for c in range(dv_pad):
-                x = v[b, h, j0 + j, c] if j0 + j < n_k and c < dv else 0.0
-                if zero_nonfinite and not np.isfinite(x):
-                    x = 0.0
-                vt[bh, kb, panel_index(j, c, block_k, dv_pad, w)] = x
+        for c0 in range(0, dv_pad, w):
+            width = min(w, dv_pad - c0)
+            base = c0 * block_k
+            for j in range(block_k):
+                row = base + j * width
+                inside = j0 + j < n_k
+                for cc in range(width):
+                    c = c0 + cc
+                    x = v[b, h, j0 + j, c] if inside and c < dv else 0.0
+                    if zero_nonfinite and not np.isfinite(x):
+                        x = 0.0
+                    vt[bh, kb, row + cc] = x
 
 
 # Packed buffers up to this size are kept per Python thread and reused by the next call: a
