@@ -23,6 +23,7 @@ import numpy as np
 from numba import prange
 
 from .. import config
+from . import simd
 from ._jit import kernel
 from .masking import (HIDDEN, MIXED, apply_user_mask, mask_tile, tile_key_range,
                       tile_needs_mask)
@@ -68,6 +69,7 @@ def backward(qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad
     qp_flat, do_flat = qp.reshape(-1), dout.reshape(-1)
     rows_q = qp.shape[2]
     modify = softcap2 != 0.0 or np.any(slopes2 != 0.0)
+    ld_s = block_k + simd.lanes_of(dk)  # score rows a vector longer: see forward.py
     n_k_all = mask.shape[3]
     inv_keep = 2.0**32 / (2.0**32 - drop_below)  # 1 / (1 - p)
     for task in prange(n_b * n_hkv * n_chunks):
@@ -75,9 +77,9 @@ def backward(qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad
         b, hk = divmod(bh_kv, n_hkv)
         n_k = kv_lens[b]
         do_s = np.zeros(block_q * dv_pad, dtype=dk.dtype)  # dO block, when copied
-        s = np.empty(block_q * block_k, dtype=dk.dtype)    # S, then P
-        ds = np.empty(block_q * block_k, dtype=dk.dtype)   # dP, then dS
-        t_cap = np.zeros(block_q * block_k if softcap2 != 0.0 else 0, dtype=dk.dtype)  # tanh
+        s = np.empty(block_q * ld_s, dtype=dk.dtype)       # S, then P
+        ds = np.empty(block_q * ld_s, dtype=dk.dtype)      # dP, then dS
+        t_cap = np.zeros(block_q * ld_s if softcap2 != 0.0 else 0, dtype=dk.dtype)  # tanh
         dk_acc = np.empty(block_k * d_pad, dtype=dk.dtype)
         dv_acc = np.empty(block_k * dv_pad, dtype=dk.dtype)
         dk_comp = np.empty(block_k * d_pad, dtype=dk.dtype)  # Kahan compensation terms
@@ -128,50 +130,50 @@ def backward(qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad
                     # The same product, on the same packed operands, as the forward pass: P
                     # comes out as the forward's probabilities, consistent with its lse
                     # (measured: scaling S here instead doubles the dQ error).
-                    tile_product(s, 0, block_k, qa, qa_off, d_pad, 1, kt_flat,
+                    tile_product(s, 0, ld_s, qa, qa_off, d_pad, 1, kt_flat,
                                  tile * d * block_k, 0, d, block_q, block_k, d, False, portable)
                     if modify:
                         for r in range(rows):
-                            modify_row(s, r * block_k, block_k, q0 + r + n_k - n_q, k0,
+                            modify_row(s, r * ld_s, block_k, q0 + r + n_k - n_q, k0,
                                        softcap2, slopes2[b, h], t_cap, portable)
                     if state == MIXED:
-                        apply_user_mask(s, 0, block_k, rows, mask, mask_is_bool, b, h, q0, k0,
+                        apply_user_mask(s, 0, ld_s, rows, mask, mask_is_bool, b, h, q0, k0,
                                         min(block_k, n_k_all - k0), LOG2_E)
                     if tile_needs_mask(q0, q0 + rows, k0, block_k, n_q, n_k, left, right):
-                        mask_tile(s, block_k, rows, q0, k0, block_k, n_q, n_k, left, right,
+                        mask_tile(s, ld_s, rows, q0, k0, block_k, n_q, n_k, left, right,
                                   -np.inf)
                     for r in range(block_q):
-                        exp2_shifted2(s, r * block_k, block_k, lse_r[r], lse_lo[r], portable)
+                        exp2_shifted2(s, r * ld_s, block_k, lse_r[r], lse_lo[r], portable)
                     # Padding rows: P = 0 exactly, even where a NaN key made their score NaN.
-                    s[rows * block_k:] = 0.0
-                    tile_product(ds, 0, block_k, doa, doa_off, dv_pad, 1, vtt_flat,
+                    s[rows * ld_s:] = 0.0
+                    tile_product(ds, 0, ld_s, doa, doa_off, dv_pad, 1, vtt_flat,
                                  tile * n_dv * block_k, 0, n_dv, block_q, block_k, n_dv,
                                  False, portable)
                     if drop_below > 0:  # dP of the dropped P: the same keys drop, same scale
                         for r in range(rows):
-                            dropout_row(ds, r * block_k, block_k, seed,
+                            dropout_row(ds, r * ld_s, block_k, seed,
                                         (b * n_hq + h) * n_q + q0 + r, k0, drop_below, inv_keep)
                     for r in range(block_q):
-                        softmax_grad_row(s, ds, r * block_k, block_k, delta_r[r], portable)
+                        softmax_grad_row(s, ds, r * ld_s, block_k, delta_r[r], portable)
                     if drop_below > 0:  # dV takes the dropped P
                         for r in range(rows):
-                            dropout_row(s, r * block_k, block_k, seed,
+                            dropout_row(s, r * ld_s, block_k, seed,
                                         (b * n_hq + h) * n_q + q0 + r, k0, drop_below, inv_keep)
                     if softcap2 != 0.0:  # back through the tanh to the raw scores
                         for r in range(rows):
-                            tanh_grad_row(ds, t_cap, r * block_k, block_k)
+                            tanh_grad_row(ds, t_cap, r * ld_s, block_k)
                     # dV += P^T dO and dK += dS^T Q: P and dS read transposed (row stride 1).
                     # Each block's products are formed on their own, then added with compensation:
                     # one long running sum over every query row rounds more (measured at N=8192,
                     # causal: dV error 2.0e-6 that way; 2.2e-6 summing 4 blocks before each
                     # compensated add; 1.2e-6 this way; torch 1.3e-6).
-                    tile_product(dv_part, 0, dv_pad, s, 0, 1, block_k, doa, doa_off, dv_pad, 1,
+                    tile_product(dv_part, 0, dv_pad, s, 0, 1, ld_s, doa, doa_off, dv_pad, 1,
                                  block_k, dv_pad, block_q, False, portable)
                     add_into_compensated(dv_acc, dv_comp, dv_part, block_k * dv_pad, portable)
-                    tile_product(dk_part, 0, d_pad, ds, 0, 1, block_k, qa, qa_off, d_pad, 1,
+                    tile_product(dk_part, 0, d_pad, ds, 0, 1, ld_s, qa, qa_off, d_pad, 1,
                                  block_k, d_pad, block_q, False, portable)
                     add_into_compensated(dk_acc, dk_comp, dk_part, block_k * d_pad, portable)
-                    tile_product(dq_tile, 0, d_pad, ds, 0, block_k, 1, kn_flat,
+                    tile_product(dq_tile, 0, d_pad, ds, 0, ld_s, 1, kn_flat,
                                  tile * block_k * d_pad, 0, block_k, block_q, d_pad, n_valid,
                                  False, portable)
                     dq_off = (((chunk * n_b + b) * n_hq + h) * rows_padded + q0) * d_pad

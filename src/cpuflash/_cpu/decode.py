@@ -123,7 +123,7 @@ def decode(q, kf, k_strides, vf, v_strides, n_hkv, n_k, d, dv, n_splits, scale2,
                 for jj in range(CHUNK):  # masked after the modifiers, as the tiled kernel
                     if not (jj < n_c and first <= c0 + jj <= last):
                         s[r * CHUNK + jj] = -np.inf
-            online_softmax(s, CHUNK, rows, m_i, l_tile, alpha_i, False)
+            online_softmax(s, CHUNK, CHUNK, rows, m_i, l_tile, alpha_i, False)
             for r in range(rows):
                 l_i[r] = alpha_i[r] * l_i[r] + l_tile[r]
                 if drop_below > 0:

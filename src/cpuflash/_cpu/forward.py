@@ -29,6 +29,7 @@ import numpy as np
 from numba import prange
 
 from .. import config
+from . import simd
 from ._jit import helper, kernel
 from .decode import run_decode
 from .pack import packed_kv
@@ -75,6 +76,9 @@ def forward(q, kt, vt, block_q, scale2, left, right, kv_lens, softcap2, slopes2,
     vt_flat = vt.reshape(-1)
     tile_k = d * block_k
     tile_v = block_k * dv_pad
+    # Score rows one vector longer than the tile: rows a power of two apart (1 KiB at 256 keys)
+    # alias in L1 and in the store-to-load forwarding of the tile products.
+    ld_s = block_k + simd.lanes_of(out)
     modify = softcap2 != 0.0 or np.any(slopes2 != 0.0)
     no_t = np.empty(0, dtype=out.dtype)
     n_k_all = mask.shape[3]
@@ -88,7 +92,7 @@ def forward(q, kt, vt, block_q, scale2, left, right, kv_lens, softcap2, slopes2,
         q0 = qb * block_q
         rows = min(block_q, n_q - q0)
         q_s = np.zeros(block_q * d, dtype=out.dtype)   # Q block, scaled to base-2 units
-        s = np.empty(block_q * block_k, dtype=out.dtype)  # scores, then probabilities
+        s = np.empty(block_q * ld_s, dtype=out.dtype)  # scores, then probabilities
         acc = np.zeros(block_q * dv_pad, dtype=out.dtype)
         m_i = np.full(block_q, -np.inf, dtype=out.dtype)
         l_i = np.zeros(block_q, dtype=out.dtype)
@@ -104,29 +108,29 @@ def forward(q, kt, vt, block_q, scale2, left, right, kv_lens, softcap2, slopes2,
             if state == HIDDEN:
                 continue  # the caller's mask hides the whole tile
             k0 = kb * block_k
-            tile_product(s, 0, block_k, q_s, 0, d, 1, kt_flat,
+            tile_product(s, 0, ld_s, q_s, 0, d, 1, kt_flat,
                          (bh_kv * kt.shape[1] + kb) * tile_k, 0, d, block_q, block_k, d,
                          False, portable)
             if modify:
                 for r in range(rows):
-                    modify_row(s, r * block_k, block_k, q0 + r + n_k - n_q, k0, softcap2,
+                    modify_row(s, r * ld_s, block_k, q0 + r + n_k - n_q, k0, softcap2,
                                slopes2[b, h], no_t, portable)
             if state == MIXED:
-                apply_user_mask(s, 0, block_k, rows, mask, mask_is_bool, b, h, q0, k0,
+                apply_user_mask(s, 0, ld_s, rows, mask, mask_is_bool, b, h, q0, k0,
                                 min(block_k, n_k_all - k0), LOG2_E)
             if tile_needs_mask(q0, q0 + rows, k0, block_k, n_q, n_k, left, right):
-                mask_tile(s, block_k, rows, q0, k0, block_k, n_q, n_k, left, right, -np.inf)
-            online_softmax(s, block_k, block_q, m_i, l_tile_sums, alpha_i, portable)
+                mask_tile(s, ld_s, rows, q0, k0, block_k, n_q, n_k, left, right, -np.inf)
+            online_softmax(s, ld_s, block_k, block_q, m_i, l_tile_sums, alpha_i, portable)
             for r in range(block_q):
                 l_i[r] = alpha_i[r] * l_i[r] + l_tile_sums[r]
             if drop_below > 0:  # after the sums: l normalizes the probabilities before dropout
                 for r in range(rows):
-                    dropout_row(s, r * block_k, block_k, seed, (b * n_hq + h) * n_q + q0 + r,
+                    dropout_row(s, r * ld_s, block_k, seed, (b * n_hq + h) * n_q + q0 + r,
                                 k0, drop_below, inv_keep)
             # This tile's P @ V on its own, then acc = alpha * acc + it: each tile's sum is short,
             # which keeps float32 rounding lower than one long running sum over all keys.
             n_valid = min(block_k, n_k - k0)  # keys past kv_len have P = 0: V rows never read
-            tile_product(pv, 0, dv_pad, s, 0, block_k, 1, vt_flat,
+            tile_product(pv, 0, dv_pad, s, 0, ld_s, 1, vt_flat,
                          (bh_kv * vt.shape[1] + kb) * tile_v, 0, block_k, block_q, dv_pad,
                          n_valid, False, portable)
             rescale_add(acc, pv, dv_pad, block_q, alpha_i, portable)

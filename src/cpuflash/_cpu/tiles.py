@@ -145,8 +145,9 @@ def exp2_inplace(x, off, n, portable):
 
 
 @helper
-def online_softmax(s, ld, rows, m_i, l_i, alpha_i, portable):
-    """One key tile of online softmax, in base 2, for ``rows`` rows of scores ``s``.
+def online_softmax(s, ld, n, rows, m_i, l_i, alpha_i, portable):
+    """One key tile of online softmax, in base 2, for ``rows`` rows of ``n`` scores, rows
+    ``ld`` apart in ``s``.
 
     In place: ``s`` becomes ``P = 2^(s - m_new)``; ``m_i`` the new running max; ``l_i`` this
     tile's row sums ``rowsum(P)``; ``alpha_i = 2^(m_old - m_new)``, the factor by which the
@@ -157,7 +158,7 @@ def online_softmax(s, ld, rows, m_i, l_i, alpha_i, portable):
     """
     for r in range(rows):
         m_old = m_i[r]
-        m_new = max(m_old, row_max(s, r * ld, ld, portable))
+        m_new = max(m_old, row_max(s, r * ld, n, portable))
         # A row that has seen only masked keys keeps m = -inf; shift by 0 then, so that
         # 2^(-inf - shift) is 0 and never 2^(-inf - (-inf)) = NaN.
         shift = m_new if m_new > -np.inf else 0.0
@@ -165,7 +166,7 @@ def online_softmax(s, ld, rows, m_i, l_i, alpha_i, portable):
         l_i[r] = shift              # parked here until the exponentials
         m_i[r] = m_new
     for r in range(rows):
-        l_i[r] = exp2_shifted_sum(s, r * ld, ld, l_i[r], portable)
+        l_i[r] = exp2_shifted_sum(s, r * ld, n, l_i[r], portable)
     exp2_inplace(alpha_i, 0, rows, portable)  # all rows' rescale factors in a few vectors
 
 
