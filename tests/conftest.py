@@ -9,6 +9,11 @@ def rand(shape, dtype=np.float32, seed=0, scale=1.0):
     return (scale * rng.standard_normal(shape)).astype(dtype)
 
 
+def rands(*shapes, dtype=np.float32, seed=1):
+    """One seeded random array per shape, seeds ``seed, seed + 1, ...``."""
+    return tuple(rand(shape, dtype, seed + i) for i, shape in enumerate(shapes))
+
+
 @pytest.fixture(params=[False, True], ids=["simd", "portable"])
 def kernels(request, monkeypatch):
     """Run a test on the SIMD kernels and on the portable pure-Numba fallback."""

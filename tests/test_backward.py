@@ -4,7 +4,7 @@ import pytest
 
 import cpuflash
 from cpuflash import config, reference
-from conftest import rand
+from conftest import rand, rands
 
 BQ, BK = config.BLOCK_Q, config.BLOCK_K
 
@@ -83,7 +83,7 @@ def test_strided_views_and_ranks():
 
 
 def test_rows_without_keys_have_zero_gradient(kernels):
-    q, k, v, do = rand((1, 1, 90, 8), seed=1), rand((1, 1, 20, 8), seed=2), rand((1, 1, 20, 8), seed=3), rand((1, 1, 90, 8), seed=4)
+    q, k, v, do = rands((1, 1, 90, 8), (1, 1, 20, 8), (1, 1, 20, 8), (1, 1, 90, 8))
     dq, dk, dv = check(q, k, v, do, causal=True)
     assert np.all(dq[0, 0, :70] == 0) and np.all(np.isfinite(dq)) and np.all(np.isfinite(dk))
 
@@ -106,7 +106,7 @@ def test_finite_differences_float64():
 
 
 def test_vjp_matches_forward_and_backward():
-    q, k, v, do = rand((1, 2, 30, 8), seed=1), rand((1, 2, 30, 8), seed=2), rand((1, 2, 30, 8), seed=3), rand((1, 2, 30, 8), seed=4)
+    q, k, v, do = rands((1, 2, 30, 8), (1, 2, 30, 8), (1, 2, 30, 8), (1, 2, 30, 8))
     out, dq, dk, dv = cpuflash.attention_vjp(q, k, v, do, causal=True)
     assert np.array_equal(out, cpuflash.attention(q, k, v, causal=True))
     for a, b in zip((dq, dk, dv), grads(q, k, v, do, causal=True)):
@@ -115,7 +115,7 @@ def test_vjp_matches_forward_and_backward():
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_bitwise_identical_across_threads_and_runs(causal):
-    q, k, v, do = rand((1, 1, 150, 16), seed=1), rand((1, 1, 600, 16), seed=2), rand((1, 1, 600, 16), seed=3), rand((1, 1, 150, 16), seed=4)
+    q, k, v, do = rands((1, 1, 150, 16), (1, 1, 600, 16), (1, 1, 600, 16), (1, 1, 150, 16))
     before = cpuflash.get_num_threads()
     try:
         results = []
@@ -131,7 +131,7 @@ def test_bitwise_identical_across_threads_and_runs(causal):
 
 def test_against_torch_when_installed():
     torch = pytest.importorskip("torch")
-    q, k, v, do = rand((1, 4, 100, 32), seed=1), rand((1, 2, 100, 32), seed=2), rand((1, 2, 100, 32), seed=3), rand((1, 4, 100, 32), seed=4)
+    q, k, v, do = rands((1, 4, 100, 32), (1, 2, 100, 32), (1, 2, 100, 32), (1, 4, 100, 32))
     want = reference.attention_backward(do, q, k, v, causal=True)
     tq, tk, tv = (torch.from_numpy(x).clone().requires_grad_() for x in (q, k, v))
     torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=True, enable_gqa=True

@@ -5,7 +5,7 @@ import pytest
 import cpuflash
 from cpuflash import masks, reference
 from cpuflash._cpu import decode
-from conftest import assert_close_to_reference, rand
+from conftest import assert_close_to_reference, rand, rands
 
 
 def takes_decode_path(q, k, v, causal=False):
@@ -40,7 +40,7 @@ def test_decode_against_reference(n_q, h_kv, causal):
 
 
 def test_decode_equals_last_rows_of_a_full_forward():
-    q, k, v = rand((1, 4, 40, 16), seed=1), rand((1, 2, 40, 16), seed=2), rand((1, 2, 40, 16), seed=3)
+    q, k, v = rands((1, 4, 40, 16), (1, 2, 40, 16), (1, 2, 40, 16))
     full = cpuflash.attention(q, k, v, causal=True)
     last = cpuflash.attention(q[:, :, -3:], k, v, causal=True)  # bottom-right: same rows
     np.testing.assert_allclose(last, full[:, :, -3:], rtol=2e-6, atol=2e-7)
@@ -80,7 +80,7 @@ def test_decode_rows_that_see_no_key():
 
 
 def test_decode_bitwise_identical_across_threads():
-    q, k, v = rand((1, 4, 1, 32), seed=1), rand((1, 2, 5000, 32), seed=2), rand((1, 2, 5000, 32), seed=3)
+    q, k, v = rands((1, 4, 1, 32), (1, 2, 5000, 32), (1, 2, 5000, 32))
     before = cpuflash.get_num_threads()
     try:
         outs = []

@@ -43,7 +43,8 @@ def test_read_only_out():
         cpuflash.attention(Q, K, V, out=out)
 
 
-@pytest.mark.parametrize("n,exc", [(0, ValueError), (10**6, ValueError), (1.5, TypeError), (True, TypeError)])
+@pytest.mark.parametrize("n,exc", [(0, ValueError), (10**6, ValueError), (1.5, TypeError),
+                                   (True, TypeError)])
 def test_bad_thread_count(n, exc):
     with pytest.raises(exc, match="n: expected"):
         cpuflash.set_num_threads(n)

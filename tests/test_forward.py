@@ -4,7 +4,7 @@ import pytest
 
 import cpuflash
 from cpuflash import config, reference
-from conftest import assert_close_to_reference, rand
+from conftest import assert_close_to_reference, rand, rands
 
 BQ, BK = config.BLOCK_Q, config.BLOCK_K
 
@@ -66,7 +66,7 @@ def test_strided_and_broadcast_views(kernels):
 @pytest.mark.parametrize("rank", [2, 3])
 def test_ranks(rank):
     shape = (3,) * (rank - 2)
-    q, k, v = rand(shape + (20, 8), seed=1), rand(shape + (30, 8), seed=2), rand(shape + (30, 4), seed=3)
+    q, k, v = rands(shape + (20, 8), shape + (30, 8), shape + (30, 4))
     out, lse = check(q, k, v, causal=True)
     assert out.shape == shape + (20, 4) and lse.shape == shape + (20,)
 
@@ -76,8 +76,9 @@ def test_scale(kernels):
           scale=-0.3)
 
 
-@pytest.mark.parametrize("shape_q,shape_k", [((0, 2, 5, 8), (0, 2, 5, 8)), ((1, 0, 5, 8), (1, 0, 5, 8)),
-                                             ((1, 2, 0, 8), (1, 2, 5, 8)), ((1, 2, 5, 8), (1, 2, 0, 8))])
+@pytest.mark.parametrize("shape_q,shape_k", [
+    ((0, 2, 5, 8), (0, 2, 5, 8)), ((1, 0, 5, 8), (1, 0, 5, 8)),
+    ((1, 2, 0, 8), (1, 2, 5, 8)), ((1, 2, 5, 8), (1, 2, 0, 8))])
 def test_empty_sizes(shape_q, shape_k):
     q, k = rand(shape_q), rand(shape_k)
     out, lse = cpuflash.attention(q, k, k, return_lse=True)
@@ -130,7 +131,7 @@ def test_out_argument(kernels):
 
 def test_against_torch_when_installed():
     torch = pytest.importorskip("torch")
-    q, k, v = rand((1, 4, 100, 32), seed=1), rand((1, 4, 100, 32), seed=2), rand((1, 4, 100, 32), seed=3)
+    q, k, v = rands((1, 4, 100, 32), (1, 4, 100, 32), (1, 4, 100, 32))
     ref = reference.attention(q, k, v, causal=True)
     theirs = torch.nn.functional.scaled_dot_product_attention(
         *(torch.from_numpy(x) for x in (q, k, v)), is_causal=True).numpy()

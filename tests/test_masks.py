@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 import cpuflash
 from cpuflash import reference
-from conftest import rand
+from conftest import rand, rands
 
 
 def check_all(q, k, v, dout, **opts):
@@ -81,7 +81,7 @@ def test_keys_past_kv_lens_are_never_read(n_q):
 
 
 def test_kv_lens_equal_slicing_the_cache():
-    q, k, v = rand((2, 4, 3, 16), seed=1), rand((2, 2, 64, 16), seed=2), rand((2, 2, 64, 16), seed=3)
+    q, k, v = rands((2, 4, 3, 16), (2, 2, 64, 16), (2, 2, 64, 16))
     lens = np.array([40, 64])
     out = cpuflash.attention(q, k, v, causal=True, kv_lens=lens)
     for b, n in enumerate(lens):
@@ -90,7 +90,7 @@ def test_kv_lens_equal_slicing_the_cache():
 
 
 def test_window_matches_dense_band_and_skips_tiles():
-    q, k, v = rand((1, 1, 600, 16), seed=1), rand((1, 1, 600, 16), seed=2), rand((1, 1, 600, 16), seed=3)
+    q, k, v = rands((1, 1, 600, 16), (1, 1, 600, 16), (1, 1, 600, 16))
     out = cpuflash.attention(q, k, v, window=(40, 0))
     want = reference.attention(q, k, v, window=(40, 0))
     np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-6)
@@ -129,7 +129,7 @@ def test_softcap_saturates_and_alibi_prefers_near_keys(n_q):
 
 @pytest.mark.parametrize("n_q", [1, 100])  # decode path and tiled path
 def test_dropout_keeps_the_expected_value_and_repeats(n_q):
-    q, k, v = rand((1, 2, n_q, 8), seed=1), rand((1, 2, 120, 8), seed=2), rand((1, 2, 120, 8), seed=3)
+    q, k, v = rands((1, 2, n_q, 8), (1, 2, 120, 8), (1, 2, 120, 8))
     plain = cpuflash.attention(q, k, v)
     runs = [cpuflash.attention(q, k, v, dropout_p=0.5, seed=s) for s in range(300)]
     assert np.array_equal(runs[7], cpuflash.attention(q, k, v, dropout_p=0.5, seed=7))
@@ -140,7 +140,7 @@ def test_dropout_keeps_the_expected_value_and_repeats(n_q):
 
 
 def test_dropout_is_the_same_for_any_thread_count():
-    q, k, v = rand((1, 2, 200, 8), seed=1), rand((1, 2, 300, 8), seed=2), rand((1, 2, 300, 8), seed=3)
+    q, k, v = rands((1, 2, 200, 8), (1, 2, 300, 8), (1, 2, 300, 8))
     before = cpuflash.get_num_threads()
     try:
         outs = []
@@ -187,7 +187,8 @@ def test_bad_band_arguments(kwargs, exc, words):
 @pytest.mark.parametrize("outs,lses,exc,words", [
     ([], [], ValueError, "non-empty"),
     ([np.zeros((3, 4), np.float32)], [np.zeros(3, np.float32)] * 2, ValueError, "equally long"),
-    ([np.zeros((3, 4), np.float32)], [np.zeros(4, np.float32)], ValueError, r"lses\[0\]: expected shape"),
+    ([np.zeros((3, 4), np.float32)], [np.zeros(4, np.float32)], ValueError,
+     r"lses\[0\]: expected shape"),
     ([np.zeros((3, 4), np.float32), np.zeros((3, 5), np.float32)], [np.zeros(3, np.float32)] * 2,
      ValueError, r"outs\[1\]: expected shape"),
     ([np.zeros((3, 4), np.int32)], [np.zeros(3, np.float32)], TypeError, r"outs\[0\]"),
@@ -216,7 +217,7 @@ def test_user_masks_against_reference(name, n_q, more):
     rng = np.random.default_rng(5)
     n_k = 300
     mask = MASKS[name](rng, n_q, n_k)
-    q, k, v = rand((2, 4, n_q, 16), seed=1), rand((2, 2, n_k, 16), seed=2), rand((2, 2, n_k, 16), seed=3)
+    q, k, v = rands((2, 4, n_q, 16), (2, 2, n_k, 16), (2, 2, n_k, 16))
     opts = dict(causal=True, softcap=3.0, kv_lens=np.array([250, 299])) if more else {}
     check_all(q, k, v, rand((2, 4, n_q, 16), seed=4), mask=mask, **opts)
 
@@ -237,7 +238,7 @@ def test_mask_is_never_expanded():
 
 
 def test_rows_that_a_mask_hides_entirely():
-    q, k, v = rand((1, 1, 10, 8), seed=1), rand((1, 1, 200, 8), seed=2), rand((1, 1, 200, 8), seed=3)
+    q, k, v = rands((1, 1, 10, 8), (1, 1, 200, 8), (1, 1, 200, 8))
     mask = np.ones((10, 200), bool)
     mask[3] = False
     k[0, 0, 150] = np.nan  # a NaN key that the mask hides from every row
@@ -253,7 +254,7 @@ def test_rows_that_a_mask_hides_entirely():
 def test_against_torch_with_a_float_mask():
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(3)
-    q, k, v = rand((2, 4, 70, 16), seed=1), rand((2, 4, 90, 16), seed=2), rand((2, 4, 90, 16), seed=3)
+    q, k, v = rands((2, 4, 70, 16), (2, 4, 90, 16), (2, 4, 90, 16))
     mask = rng.standard_normal((2, 1, 70, 90)).astype(np.float32)
     mask[..., ::7] = -np.inf
     ours = cpuflash.attention(q, k, v, mask=mask)

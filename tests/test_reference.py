@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from cpuflash import reference
-from conftest import rand
+from conftest import rand, rands
 
 
 def direct(q, k, v, scale):
@@ -14,7 +14,7 @@ def direct(q, k, v, scale):
 
 @pytest.mark.parametrize("n_q,n_k,d", [(1, 1, 1), (7, 13, 5), (16, 3, 8)])
 def test_matches_direct_softmax(n_q, n_k, d):
-    q, k, v = rand((n_q, d), np.float64, 1), rand((n_k, d), np.float64, 2), rand((n_k, 3), np.float64, 3)
+    q, k, v = rands((n_q, d), (n_k, d), (n_k, 3), dtype=np.float64)
     out, lse = reference.attention(q, k, v, scale=0.7, return_lse=True)
     want, want_lse = direct(q, k, v, 0.7)
     np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-13)
@@ -39,7 +39,8 @@ def test_uniform_scores_average_values():
 
 
 def test_gqa_reads_the_group_kv_head():
-    q, k, v = rand((1, 4, 3, 8), np.float64, 1), rand((1, 2, 5, 8), np.float64, 2), rand((1, 2, 5, 8), np.float64, 3)
+    q, k, v = rands((1, 4, 3, 8), (1, 2, 5, 8), (1, 2, 5, 8), dtype=np.float64)
     out = reference.attention(q, k, v)
     for h in range(4):
-        np.testing.assert_allclose(out[0, h], reference.attention(q[0, h], k[0, h // 2], v[0, h // 2]))
+        want = reference.attention(q[0, h], k[0, h // 2], v[0, h // 2])
+        np.testing.assert_allclose(out[0, h], want)

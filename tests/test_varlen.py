@@ -47,7 +47,8 @@ def test_varlen_dropout_differs_between_sequences():
 @pytest.mark.parametrize("cu_q,cu_k,exc,words", [
     ([0, 5], np.array([0, 9]), TypeError, "cu_seqlens_q: expected a 1-D integer numpy array"),
     (np.array([0, 5, 3]), np.array([0, 9, 9]), ValueError, "non-decreasing"),
-    (np.array([0, 4]), np.array([0, 9]), ValueError, "cu_seqlens_q: expected non-decreasing offsets from 0 to 5"),
+    (np.array([0, 4]), np.array([0, 9]), ValueError,
+     "cu_seqlens_q: expected non-decreasing offsets from 0 to 5"),
     (np.array([0, 5]), np.array([0, 4, 9]), ValueError, "same number of sequences"),
 ])
 def test_bad_offsets(cu_q, cu_k, exc, words):
