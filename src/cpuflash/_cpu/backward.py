@@ -25,6 +25,7 @@ from numba import prange
 from .. import config
 from . import simd
 from ._jit import kernel
+from .tasks import unravel
 from .masking import (HIDDEN, MIXED, apply_user_mask, mask_tile, tile_key_range,
                       tile_needs_mask)
 from .dropout import dropout_row
@@ -73,8 +74,7 @@ def backward(qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad
     n_k_all = mask.shape[3]
     inv_keep = 2.0**32 / (2.0**32 - drop_below)  # 1 / (1 - p)
     for task in prange(n_b * n_hkv * n_chunks):
-        bh_kv, chunk = divmod(np.int64(task), n_chunks)
-        b, hk = divmod(bh_kv, n_hkv)
+        b, hk, chunk = unravel(task, n_hkv, n_chunks)
         n_k = kv_lens[b]
         do_s = np.zeros(block_q * dv_pad, dtype=dk.dtype)  # dO block, when copied
         s = np.empty(block_q * ld_s, dtype=dk.dtype)       # S, then P
@@ -95,7 +95,7 @@ def backward(qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad
             n_valid = min(block_k, n_k - k0)  # keys past kv_len: gradient 0, V never read
             if n_valid <= 0:
                 continue
-            tile = bh_kv * n_kb + kb
+            tile = (b * n_hkv + hk) * n_kb + kb
             dk_acc[:] = 0.0
             dv_acc[:] = 0.0
             dk_comp[:] = 0.0

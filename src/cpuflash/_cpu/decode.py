@@ -21,6 +21,7 @@ from numba import prange
 
 from . import simd
 from ._jit import helper, kernel
+from .tasks import unravel
 from .dropout import dropout_row
 from .masking import apply_user_mask, row_band
 from .scores import modify_row
@@ -81,8 +82,7 @@ def decode(q, kf, k_strides, vf, v_strides, n_hkv, n_k, d, dv, n_splits, scale2,
     inv_keep = 2.0**32 / (2.0**32 - drop_below)  # 1 / (1 - p)
     no_t = np.empty(0, dtype=acc_part.dtype)
     for task in prange(n_b * n_hkv * n_splits):
-        bh_kv, split = divmod(np.int64(task), n_splits)
-        b, hk = divmod(bh_kv, n_hkv)
+        b, hk, split = unravel(task, n_hkv, n_splits)
         q_s = np.empty(rows * d, dtype=acc_part.dtype)  # rows (h, i) of the group, scaled
         for g in range(group):
             for i in range(n_q):
@@ -157,8 +157,7 @@ def combine(m_part, l_part, acc_part, out, lse):
     n_s, n_b, n_h, n_q = m_part.shape
     dv = out.shape[3]
     for task in prange(n_b * n_h * n_q):
-        bh, i = divmod(np.int64(task), n_q)
-        b, h = divmod(bh, n_h)
+        b, h, i = unravel(task, n_h, n_q)
         m = -np.inf
         for sp in range(n_s):
             m = max(m, m_part[sp, b, h, i])

@@ -31,6 +31,7 @@ from numba import prange
 from .. import config
 from . import simd
 from ._jit import helper, kernel
+from .tasks import unravel
 from .decode import run_decode
 from .pack import packed_kv
 from .masking import (HIDDEN, MIXED, apply_user_mask, mask_tile, tile_key_range,
@@ -84,9 +85,8 @@ def forward(q, kt, vt, block_q, scale2, left, right, kv_lens, softcap2, slopes2,
     n_k_all = mask.shape[3]
     inv_keep = 2.0**32 / (2.0**32 - drop_below)  # 1 / (1 - p)
     for task in prange(n_b * n_hq * n_qb):
-        bh, qb = divmod(np.int64(task), n_qb)
+        b, h, qb = unravel(task, n_hq, n_qb)
         qb = balanced_order(qb, n_qb)
-        b, h = divmod(bh, n_hq)
         bh_kv = b * n_hkv + h // group
         n_k = kv_lens[b]
         q0 = qb * block_q

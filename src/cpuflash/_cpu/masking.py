@@ -22,6 +22,7 @@ import numpy as np
 from numba import prange
 
 from ._jit import helper, kernel
+from .tasks import unravel
 
 UNBOUNDED = 1 << 40  # a window side with no limit (any sequence is shorter)
 HIDDEN, MIXED, CLEAR = 0, 1, 2  # tile states of a caller's mask
@@ -94,8 +95,7 @@ def tile_state_table(bits, clear_bits, hidden_bits, block_q, block_k, n_kb, stat
     n_b, n_h, n_q, n_k = bits.shape
     n_qb = states.shape[2]
     for task in prange(n_b * n_h * n_qb):
-        bh, qb = divmod(np.int64(task), n_qb)
-        b, h = divmod(bh, n_h)
+        b, h, qb = unravel(task, n_h, n_qb)
         q0 = qb * block_q
         q1 = min(n_q, q0 + block_q)
         for kb in range(n_kb):

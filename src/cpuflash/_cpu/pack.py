@@ -17,6 +17,7 @@ import numpy as np
 from numba import prange
 
 from ._jit import kernel
+from .tasks import unravel
 
 
 @kernel
@@ -26,8 +27,8 @@ def pack_keys_transposed(k, block_k, w, kt):
     n_b, n_h, n_k, d = k.shape
     n_blocks = kt.shape[1]
     for task in prange(n_b * n_h * n_blocks):
-        bh, kb = divmod(np.int64(task), n_blocks)
-        b, h = divmod(bh, n_h)
+        b, h, kb = unravel(task, n_h, n_blocks)
+        bh = b * n_h + h
         j0 = kb * block_k
         n_valid = min(block_k, n_k - j0)
         # One panel (w keys x D) at a time: its w rows of K stay in L1 while each of its D
@@ -50,8 +51,8 @@ def pack_values(v, block_k, dv_pad, w, zero_nonfinite, vt):
     n_b, n_h, n_k, dv = v.shape
     n_blocks = vt.shape[1]
     for task in prange(n_b * n_h * n_blocks):
-        bh, kb = divmod(np.int64(task), n_blocks)
-        b, h = divmod(bh, n_h)
+        b, h, kb = unravel(task, n_h, n_blocks)
+        bh = b * n_h + h
         j0 = kb * block_k
         for c0 in range(0, dv_pad, w):
             width = min(w, dv_pad - c0)
@@ -91,7 +92,7 @@ def pack_scaled_rows(x, factor, xp):
     forward kernel scales its Q blocks); padding rows and columns of ``xp`` stay as they are."""
     n_b, n_h, n, d = x.shape
     for task in prange(n_b * n_h):
-        b, h = divmod(np.int64(task), n_h)
+        b, h, _ = unravel(task, n_h, 1)
         for i in range(n):
             for dd in range(d):
                 xp[b, h, i, dd] = x[b, h, i, dd] * factor
