@@ -61,3 +61,9 @@ def test_bad_packed_shapes():
     with pytest.raises(ValueError, match="q: expected packed"):
         cpuflash.attention_varlen(rand((1, 5, 2, 4)), rand((9, 2, 4)), rand((9, 2, 4)),
                                   np.array([0, 5]), np.array([0, 9]))
+
+
+def test_bad_alibi_slopes_per_sequence():
+    q, cu = packed([5, 7], 2, 4, 1)
+    with pytest.raises(ValueError, match=r"alibi_slopes: expected \(2,\) or \(2, 2\)"):
+        cpuflash.attention_varlen(q, q, q, cu, cu, alibi_slopes=np.ones((3, 2)))

@@ -1,0 +1,36 @@
+"""The command line: `cpuflash bench` and `cpuflash info` on tiny shapes, and bad options."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from cpuflash import cli
+
+
+def test_bench_json_on_a_tiny_shape(capsys):
+    cli.main(["bench", "--shape", "1,2,64,16,1", "--repeats", "1", "--no-memory", "--no-torch",
+              "--json"])
+    report = json.loads(capsys.readouterr().out)
+    (fwd,) = report["forward"]
+    (bwd,) = report["backward"]
+    assert fwd["N"] == 64 and fwd["causal"] is True and fwd["vs_naive"] > 0
+    assert fwd["err"] < 1e-5 and bwd["err"] < 1e-5 and fwd["gflops"] > 0
+    assert report["meta"]["threads"] >= 1
+
+
+def test_info_json(capsys):
+    cli.main(["info", "--json"])
+    facts = json.loads(capsys.readouterr().out)
+    assert facts["vector_bytes"] in (16, 32, 64) and facts["block_k"] > 0
+
+
+def test_bad_shape_option():
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--shape", "1,2,64"])
+
+
+def test_python_dash_m_runs():
+    proc = subprocess.run([sys.executable, "-m", "cpuflash", "info"], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0 and "block_q" in proc.stdout
