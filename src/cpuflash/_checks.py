@@ -8,11 +8,14 @@ import numpy as np
 FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 
 
-def array(name, x):
+def array(name, x, int8=False):
+    """A float (or, for a K/V cache, int8) array of rank 2, 3 or 4."""
     if not isinstance(x, np.ndarray):
         raise TypeError(f"{name}: expected a numpy.ndarray, got {type(x).__name__}")
-    if x.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{name}: expected dtype float16, float32 or float64, got {x.dtype}")
+    if x.dtype not in FLOAT_DTYPES and not (int8 and x.dtype == np.int8):
+        allowed = "float16, float32, float64 or int8 (with a scale)" if int8 else \
+            "float16, float32 or float64"
+        raise TypeError(f"{name}: expected dtype {allowed}, got {x.dtype}")
     if x.ndim not in (2, 3, 4):
         raise ValueError(f"{name}: expected 2-D (N, D), 3-D (H, N, D) or 4-D (B, H, N, D), "
                          f"got {x.ndim}-D with shape {x.shape}")
@@ -25,6 +28,38 @@ def same_dtype(**arrays):
         given = ", ".join(f"{n}={d}" for n, d in dtypes.items())
         raise TypeError(f"{', '.join(dtypes)}: expected one dtype, got {given} "
                         "(cast explicitly; cpuflash does not cast silently)")
+
+
+def kv_cache_format(q, k, v, k_scale, v_scale):
+    """The dtypes of q, k, v. Either all one dtype, or K/V hold a cache in a storage format:
+    float16 K/V with float32 q, or int8 K/V (with q float32 or float16) and per-token scales
+    ``k_scale``, ``v_scale`` of shape ``k.shape[:-1]``, ``v.shape[:-1]`` (float32). Returns
+    ``(k_scale, v_scale)`` as 3-D (B, Hkv, Nk) views for int8, else None."""
+    if k.dtype != v.dtype:
+        raise TypeError(f"k, v: expected one dtype, got k={k.dtype}, v={v.dtype} "
+                        "(cast explicitly; cpuflash does not cast silently)")
+    scales_given = k_scale is not None or v_scale is not None
+    if k.dtype != np.int8:
+        if scales_given:
+            raise TypeError(f"k_scale, v_scale: only for int8 k and v, got k {k.dtype}")
+        if k.dtype != q.dtype and not (k.dtype == np.float16 and q.dtype == np.float32):
+            same_dtype(q=q, k=k, v=v)  # raises, naming the dtypes
+        return None
+    if q.dtype not in (np.float32, np.float16):
+        raise TypeError(f"q: expected float32 or float16 with an int8 K/V cache, got {q.dtype}")
+    scales = []
+    for name, x_scale, x in (("k_scale", k_scale, k), ("v_scale", v_scale, v)):
+        if x_scale is None:
+            raise TypeError(f"{name}: required with int8 k and v (K = k * k_scale[..., None])")
+        if not isinstance(x_scale, np.ndarray):
+            raise TypeError(f"{name}: expected a numpy.ndarray, got {type(x_scale).__name__}")
+        if x_scale.dtype != np.float32:
+            raise TypeError(f"{name}: expected dtype float32, got {x_scale.dtype}")
+        if x_scale.shape != x.shape[:-1]:
+            raise ValueError(f"{name}: expected shape {x.shape[:-1]} (one scale per token and "
+                             f"head), got {x_scale.shape}")
+        scales.append(x_scale.reshape((1,) * (4 - x.ndim) + x_scale.shape))
+    return tuple(scales)
 
 
 def same_rank(**arrays):

@@ -12,7 +12,7 @@ __all__ = ["attention", "attention_backward", "attention_vjp", "merge", "set_num
 
 def attention(q, k, v, *, causal=False, scale=None, mask=None, window=None, kv_lens=None,
               alibi_slopes=None, softcap=None, dropout_p=0.0, seed=None, return_lse=False,
-              out=None):
+              out=None, k_scale=None, v_scale=None):
     """Exact softmax attention, ``softmax(scale * q @ k^T) @ v``, computed tile by tile.
 
     Parameters
@@ -40,20 +40,28 @@ def attention(q, k, v, *, causal=False, scale=None, mask=None, window=None, kv_l
     return_lse : bool. Also return ``lse`` (B, Hq, Nq): natural-log log-sum-exp of each row's
         scores, float32 (float64 for float64 input); ``-inf`` for a row that sees no key.
     out : ndarray of the output's shape and dtype, written in place and returned.
+    k_scale, v_scale : float32 arrays of shape ``k.shape[:-1]``, ``v.shape[:-1]``, for an int8
+        K/V cache: ``K = k * k_scale[..., None]`` (see ``quantize_int8``).
+
+    K/V caches: besides q, k, v of one dtype, ``k`` and ``v`` may be float16 with a float32
+    ``q`` (a half-size cache), or int8 with their scales (a quarter-size cache). The decode
+    path (``Nq <= 16``) reads them in place and computes in float32.
 
     Any strides are accepted (transposed or broadcast views); float16 computes in float32.
     A row that sees no key gets output 0 (and ``lse = -inf``).
     """
     return_lse = _checks.flag("return_lse", return_lse)
     call = _prepare(q, k, v, causal, scale, mask, window, kv_lens, alibi_slopes, softcap,
-                    dropout_p, seed)
+                    dropout_p, seed, k_scale, v_scale)
     out_shape = q.shape[:-1] + (call.dv,)
     out = _checks.out_array(out, out_shape, q.dtype)
-    q4, k4, v4 = (call.in_compute(x) for x in (q, k, v))
+    q4 = call.in_compute(q)
+    k4, v4 = (call.in_storage(x) for x in (k, v))  # a float16/int8 cache stays as it is
     direct = (out is not None and out.dtype == call.compute and out.flags.c_contiguous
               and not any(np.may_share_memory(out, x) for x in (q4, k4, v4)))
     o4, lse = run_forward(q4, k4, v4, call.scale, call.band, call.mods, call.mask, call.drop,
-                          config.PORTABLE, out=_checks.as_4d(out) if direct else None)
+                          config.PORTABLE, out=_checks.as_4d(out) if direct else None,
+                          kv_scales=call.kv_scales)
 
     result = o4.reshape(out_shape)
     if out is not None and not direct:
@@ -83,15 +91,26 @@ class _Call:
         x = _checks.as_4d(x)
         return x if x.dtype == self.compute else x.astype(self.compute)
 
+    def in_storage(self, x):
+        """K or V as 4-D: float16 and int8 caches as they are (read in place by the decode
+        path), anything else in the compute dtype."""
+        x = _checks.as_4d(x)
+        return x if x.dtype in (np.float16, np.int8) else self.in_compute(x)
+
 
 def _prepare(q, k, v, causal, scale, mask, window, kv_lens, alibi_slopes, softcap, dropout_p,
-             seed):
-    """The checks and defaults shared by the forward and backward calls."""
+             seed, k_scale=None, v_scale=None, cache_formats=True):
+    """The checks and defaults shared by the forward and backward calls. ``cache_formats``:
+    whether K/V may be a float16/int8 cache (forward only)."""
     _checks.array("q", q)
-    _checks.array("k", k)
-    _checks.array("v", v)
+    _checks.array("k", k, int8=cache_formats)
+    _checks.array("v", v, int8=cache_formats)
     _checks.same_rank(q=q, k=k, v=v)
-    _checks.same_dtype(q=q, k=k, v=v)
+    if cache_formats:
+        kv_scales = _checks.kv_cache_format(q, k, v, k_scale, v_scale)
+    else:
+        _checks.same_dtype(q=q, k=k, v=v)
+        kv_scales = None
     causal = _checks.flag("causal", causal)
     q4, k4, v4 = _checks.as_4d(q), _checks.as_4d(k), _checks.as_4d(v)
     n_b, n_hq, _, n_q, n_k, d, dv = _checks.qkv_shapes(q4, k4, v4)
@@ -101,7 +120,7 @@ def _prepare(q, k, v, causal, scale, mask, window, kv_lens, alibi_slopes, softca
         band=masks.band(causal, window, kv_lens, n_b, n_k),
         mods=masks.modifiers(softcap, alibi_slopes, n_b, n_hq),
         mask=masks.UserMask(mask, n_b, n_hq, n_q, n_k, compute),
-        drop=masks.dropout(dropout_p, seed))
+        drop=masks.dropout(dropout_p, seed), kv_scales=kv_scales)
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, mask=None,
@@ -118,7 +137,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, mas
     sum over the query heads of each group. Bitwise the same for any thread count.
     """
     call = _prepare(q, k, v, causal, scale, mask, window, kv_lens, alibi_slopes, softcap,
-                    dropout_p, seed)
+                    dropout_p, seed, cache_formats=False)
     out_shape = q.shape[:-1] + (call.dv,)
     _checks.matches("dout", dout, out_shape, q.dtype)
     _checks.matches("out", out, out_shape, q.dtype)

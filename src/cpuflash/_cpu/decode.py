@@ -29,9 +29,13 @@ from .tiles import MR, online_softmax, rescale_add, tile_product
 
 LN2 = math.log(2.0)
 LOG2_E = 1.0 / LN2
-CHUNK = 16           # keys per online-softmax step (whole vectors for every lane count)
+# Keys per online-softmax step: the per-step work (row max, rescale of the accumulators, the
+# P @ V call) is paid once per chunk (measured at Nk = 32768: 16 keys 51 ns/key, 128 keys
+# 28 ns/key with the folded dot products). A multiple of every lane count.
+CHUNK = 128
 KEYS_PER_SPLIT = 1024  # a split's keys: enough work per task, splits enough for the threads
-MAX_NQ = 16          # attention() takes this path for Nq up to this
+MAX_SPLITS = 64        # caps the partial results: at most 64 * (B, Hq, Nq, Dv), whatever Nk
+MAX_NQ = 16            # attention() takes this path for Nq up to this
 
 
 @helper
@@ -39,10 +43,10 @@ def dot_rows(q_s, q_off, kf, k_off, d, d_vec):
     """``q_s[q_off:q_off+d] . kf[k_off:k_off+d]``: vectors up to ``d_vec``, then scalars."""
     acc = simd.vsplat(q_s, 0.0)
     for dd in range(0, d_vec, simd.lanes_of(q_s)):
-        acc = simd.vfma(simd.vload(q_s, q_off + dd), simd.vload(kf, k_off + dd), acc)
+        acc = simd.vfma(simd.vload(q_s, q_off + dd), simd.vload_as(q_s, kf, k_off + dd), acc)
     total = simd.vhsum(acc)
     for dd in range(d_vec, d):
-        total += q_s[q_off + dd] * kf[k_off + dd]
+        total += q_s[q_off + dd] * simd.load_as(q_s, kf, k_off + dd)
     return total
 
 
@@ -51,25 +55,49 @@ def axpy_row(acc, acc_off, p, vf, v_off, dv, dv_vec):
     """``acc[acc_off:acc_off+dv] += p * vf[v_off:v_off+dv]``."""
     p_v = simd.vsplat(acc, p)
     for c in range(0, dv_vec, simd.lanes_of(acc)):
-        simd.vstore(acc, acc_off + c, simd.vfma(p_v, simd.vload(vf, v_off + c),
+        simd.vstore(acc, acc_off + c, simd.vfma(p_v, simd.vload_as(acc, vf, v_off + c),
                                                  simd.vload(acc, acc_off + c)))
     for c in range(dv_vec, dv):
-        acc[acc_off + c] += p * vf[v_off + c]
+        acc[acc_off + c] += p * simd.load_as(acc, vf, v_off + c)
+
+
+@helper
+def chunk_scores(s, q_s, rows, d, d_vec, kf, k_off, k_step, n_c):
+    """``s[r, jj] = q_r . k_(jj)`` for ``jj < n_c`` (rows ``CHUNK`` apart in ``s``), the key
+    ``jj`` at ``kf[k_off + jj*k_step:]``. Whole groups of ``W`` keys by ``vdot_keys`` (keys in
+    the inner loop of each group: its K rows are read from memory once, then from L1 for the
+    other rows), the rest and any head-dim tail by scalar dot products."""
+    lanes = simd.lanes_of(s)
+    n_full = n_c // lanes * lanes if d_vec > 0 else 0
+    for jj in range(0, n_full, lanes):
+        for r in range(rows):
+            simd.vstore(s, r * CHUNK + jj,
+                        simd.vdot_keys(q_s, r * d, kf, k_off + jj * k_step, k_step, d_vec))
+    for r in range(rows):
+        if d_vec < d:
+            for jj in range(n_full):
+                s[r * CHUNK + jj] += dot_rows(q_s, r * d + d_vec, kf,
+                                              k_off + jj * k_step + d_vec, d - d_vec, 0)
+        for jj in range(n_full, n_c):
+            s[r * CHUNK + jj] = dot_rows(q_s, r * d, kf, k_off + jj * k_step, d, d_vec)
 
 
 @kernel
-def decode(q, kf, k_strides, vf, v_strides, n_hkv, n_k, d, dv, n_splits, scale2, left, right,
-           kv_lens, softcap2, slopes2, mask, mask_given, mask_is_bool, drop_below, seed,
-           m_part, l_part, acc_part):
-    """q: (B, Hq, Nq, D) any strides. kf, vf: 1-D views from the first element of K and V;
+def decode(q, kf, k_strides, vf, v_strides, k_scale, ks_strides, v_scale, vs_strides, n_hkv,
+           n_k, d, dv, n_splits, scale2, left, right, kv_lens, softcap2, slopes2, mask, mask_given,
+           mask_is_bool, drop_below, seed, m_part, l_part, acc_part):
+    """q: (B, Hq, Nq, D) any strides, compute dtype. kf, vf: 1-D views from the first element
+    of K and V in their storage type (the compute dtype, float16 bits as uint16, or int8);
     element (b, h, j, c) is at ``b*s0 + h*s1 + j*s2 + c`` with ``k_strides = (s0, s1, s2)``.
+    k_scale, v_scale: int8 dequantization scales, 1-D views with strides ``ks_strides``,
+    ``vs_strides`` over (b, h, j) (``K = kf * k_scale``), or empty arrays when K/V are floats.
     left, right, kv_lens: the band of keys each row sees (masking.py); the splits divide the
     array's ``n_k`` keys, and keys outside a row's band are never read.
     Writes per split: m_part, l_part (n_splits, B, Hq, Nq) and acc_part (..., Dv)."""
     n_b, n_hq, n_q, _ = q.shape
     group = n_hq // n_hkv
     rows = group * n_q
-    lanes = simd.lanes_of(kf)
+    lanes = simd.lanes_of(m_part)
     d_vec = d // lanes * lanes
     dv_vec = dv // lanes * lanes
     # P @ V by the micro-kernel, V rows read in place, when they are whole vectors (a padded
@@ -79,6 +107,7 @@ def decode(q, kf, k_strides, vf, v_strides, n_hkv, n_k, d, dv, n_splits, scale2,
     ld = dv  # acc row stride
     split_len = (n_k + n_splits - 1) // n_splits
     modify = softcap2 != 0.0 or np.any(slopes2 != 0.0)
+    quantized = k_scale.size > 0
     inv_keep = 2.0**32 / (2.0**32 - drop_below)  # 1 / (1 - p)
     no_t = np.empty(0, dtype=acc_part.dtype)
     for task in prange(n_b * n_hkv * n_splits):
@@ -95,34 +124,44 @@ def decode(q, kf, k_strides, vf, v_strides, n_hkv, n_k, d, dv, n_splits, scale2,
         alpha_i = np.empty(rows, dtype=acc_part.dtype)
         acc = np.zeros(rows_pad * ld, dtype=acc_part.dtype)
         pv = np.empty(rows_pad * ld, dtype=acc_part.dtype)
+        first_r = np.empty(rows, dtype=np.int64)  # each row's band of visible keys
+        last_r = np.empty(rows, dtype=np.int64)
         kv_len = kv_lens[b]
+        for r in range(rows):
+            first_r[r], last_r[r] = row_band(r % n_q, n_q, kv_len, left, right)
         # The keys of this split that some row of the group sees.
-        j_start = max(split * split_len, row_band(0, n_q, kv_len, left, right)[0])
-        j_stop = min(split * split_len + split_len,
-                     row_band(n_q - 1, n_q, kv_len, left, right)[1] + 1)
+        j_start = max(split * split_len, first_r[0])
+        j_stop = min(split * split_len + split_len, last_r[n_q - 1] + 1)
         k_head = b * k_strides[0] + hk * k_strides[1]
         v_head = b * v_strides[0] + hk * v_strides[1]
+        ks_head = b * ks_strides[0] + hk * ks_strides[1]
+        vs_head = b * vs_strides[0] + hk * vs_strides[1]
         for c0 in range(j_start, j_stop, CHUNK):
             n_c = min(CHUNK, j_stop - c0)
+            chunk_scores(s, q_s, rows, d, d_vec, kf, k_head + c0 * k_strides[2], k_strides[2],
+                         n_c)
             for r in range(rows):
+                row = r * CHUNK
+                if quantized:
+                    for jj in range(n_c):
+                        s[row + jj] *= k_scale[ks_head + (c0 + jj) * ks_strides[2]]
                 i = r % n_q
-                first, last = row_band(i, n_q, kv_len, left, right)
-                for jj in range(CHUNK):
-                    j = c0 + jj
-                    s[r * CHUNK + jj] = 0.0
-                    if jj < n_c and first <= j <= last:
-                        s[r * CHUNK + jj] = dot_rows(q_s, r * d, kf, k_head + j * k_strides[2],
-                                                     d, d_vec)
                 h = hk * group + r // n_q
                 if modify:
-                    modify_row(s, r * CHUNK, CHUNK, i + kv_len - n_q, c0, softcap2,
-                               slopes2[b, h], no_t, False)
+                    modify_row(s, row, CHUNK, i + kv_len - n_q, c0, softcap2, slopes2[b, h],
+                               no_t, False)
                 if mask_given:
-                    apply_user_mask(s, r * CHUNK, CHUNK, 1, mask, mask_is_bool, b, h, i, c0,
-                                    n_c, LOG2_E)
-                for jj in range(CHUNK):  # masked after the modifiers, as the tiled kernel
-                    if not (jj < n_c and first <= c0 + jj <= last):
-                        s[r * CHUNK + jj] = -np.inf
+                    apply_user_mask(s, row, CHUNK, 1, mask, mask_is_bool, b, h, i, c0, n_c,
+                                    LOG2_E)
+                # Masked after the modifiers, as the tiled kernel; a chunk inside the row's
+                # band (the common case) needs only its tail past n_c.
+                if first_r[r] <= c0 and c0 + n_c - 1 <= last_r[r]:
+                    for jj in range(n_c, CHUNK):
+                        s[row + jj] = -np.inf
+                else:
+                    for jj in range(CHUNK):
+                        if not (jj < n_c and first_r[r] <= c0 + jj <= last_r[r]):
+                            s[row + jj] = -np.inf
             online_softmax(s, CHUNK, CHUNK, rows, m_i, l_tile, alpha_i, False)
             for r in range(rows):
                 l_i[r] = alpha_i[r] * l_i[r] + l_tile[r]
@@ -130,6 +169,9 @@ def decode(q, kf, k_strides, vf, v_strides, n_hkv, n_k, d, dv, n_splits, scale2,
                     dropout_row(s, r * CHUNK, CHUNK, seed,
                                 (b * n_hq + hk * group + r // n_q) * n_q + r % n_q, c0,
                                 drop_below, inv_keep)
+                if quantized:  # P @ (V_int8 * v_scale) as (P * v_scale) @ V_int8
+                    for jj in range(n_c):
+                        s[r * CHUNK + jj] *= v_scale[vs_head + (c0 + jj) * vs_strides[2]]
             if tiled:
                 tile_product(pv, 0, ld, s, 0, CHUNK, 1, vf, v_head + c0 * v_strides[2],
                              v_strides[2], 1, rows_pad, dv, n_c, False, False)
@@ -193,9 +235,16 @@ def _flat_view(x):
     return flat, steps
 
 
-def run_decode(q, k, v, scale, band, mods, user_mask, drop, out=None):
-    """The decode path for 4-D arrays of one compute dtype, or None where it does not apply
-    (K or V rows not unit-stride): the caller then takes the tiled path. ``band``: the
+def _storage_view(x):
+    """``x`` as the kernels read it: float16 as its uint16 bits (Numba has no float16)."""
+    return x.view(np.uint16) if x.dtype == np.float16 else x
+
+
+def run_decode(q, k, v, scale, band, mods, user_mask, drop, out=None, kv_scales=None):
+    """The decode path for 4-D arrays, or None where it does not apply (``Nq`` large, or K or V
+    rows not unit-stride): the caller then takes the tiled path. ``q`` is in the compute dtype;
+    ``k``, ``v`` in it too, or a float16 cache (float32 compute), or int8 with ``kv_scales =
+    (k_scale, v_scale)`` of shape (B, Hkv, Nk), read in place either way. ``band``: the
     ``(left, right, kv_lens)`` of masking.py."""
     left, right, kv_lens = band
     softcap2, slopes2 = mods[0] * LOG2_E, mods[1] * LOG2_E
@@ -203,17 +252,25 @@ def run_decode(q, k, v, scale, band, mods, user_mask, drop, out=None):
     n_hkv, n_k, dv = v.shape[1], v.shape[2], v.shape[3]
     if n_q > MAX_NQ or n_k == 0 or q.size == 0 or v.size == 0:
         return None
-    k_view, v_view = _flat_view(k), _flat_view(v)
+    k_view, v_view = _flat_view(_storage_view(k)), _flat_view(_storage_view(v))
     if k_view is None or v_view is None:
         return None
-    n_splits = max(1, min(64, -(-n_k // KEYS_PER_SPLIT)))
     dtype = q.dtype
+    if kv_scales is None:
+        none = (np.empty(0, dtype=dtype), (0, 0, 0))
+        (k_scale, ks_strides), (v_scale, vs_strides) = none, none
+    else:  # read in place, as K and V (a trailing unit axis stands in for the head dim)
+        (k_scale, ks_strides), (v_scale, vs_strides) = (
+            _flat_view(x[..., None]) or _flat_view(np.ascontiguousarray(x)[..., None])
+            for x in kv_scales)
+    n_splits = max(1, min(MAX_SPLITS, -(-n_k // KEYS_PER_SPLIT)))
     m_part = np.empty((n_splits, n_b, n_hq, n_q), dtype=dtype)
     l_part = np.empty((n_splits, n_b, n_hq, n_q), dtype=dtype)
     acc_part = np.empty((n_splits, n_b, n_hq, n_q, dv), dtype=dtype)
-    decode(q, k_view[0], k_view[1], v_view[0], v_view[1], n_hkv, n_k, d, dv, n_splits,
-           scale * LOG2_E, left, right, kv_lens, softcap2, slopes2, user_mask.view,
-           user_mask.given, user_mask.is_bool, drop[0], drop[1], m_part, l_part, acc_part)
+    decode(q, k_view[0], k_view[1], v_view[0], v_view[1], k_scale, ks_strides, v_scale,
+           vs_strides, n_hkv, n_k, d, dv, n_splits, scale * LOG2_E, left, right, kv_lens, softcap2,
+           slopes2, user_mask.view, user_mask.given, user_mask.is_bool, drop[0], drop[1],
+           m_part, l_part, acc_part)
     if out is None:
         out = np.empty((n_b, n_hq, n_q, dv), dtype=dtype)
     lse = np.empty((n_b, n_hq, n_q), dtype=dtype)

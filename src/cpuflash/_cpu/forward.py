@@ -145,8 +145,13 @@ def forward(q, kt, vt, block_q, scale2, left, right, kv_lens, softcap2, slopes2,
                 lse[b, h, q0 + r] = (m_i[r] + np.log2(l_i[r])) * LN2
 
 
-def run_forward(q, k, v, scale, band, mods, user_mask, drop, portable, out=None):
+def run_forward(q, k, v, scale, band, mods, user_mask, drop, portable, out=None,
+                kv_scales=None):
     """Pack K/V and run the kernel on 4-D arrays of one compute dtype (float32 or float64).
+
+    ``k``, ``v`` may also be a K/V cache in a storage type (float16, or int8 with
+    ``kv_scales = (k_scale, v_scale)``, (B, Hkv, Nk) each): the decode path reads it in place;
+    the tiled path converts it to the compute dtype first.
 
     Returns ``out`` (B, Hq, Nq, Dv), contiguous, and ``lse`` (B, Hq, Nq), both in that dtype.
     ``out``, if given, must be such an array; it is written in place. ``band``: the
@@ -167,10 +172,13 @@ def run_forward(q, k, v, scale, band, mods, user_mask, drop, portable, out=None)
         out[...] = 0.0
         lse[...] = -np.inf
         return out, lse
-    decoded = (run_decode(q, k, v, scale, band, mods, user_mask, drop, out)
+    decoded = (run_decode(q, k, v, scale, band, mods, user_mask, drop, out, kv_scales)
                if not portable else None)
     if decoded is not None:
         return decoded
+    if kv_scales is not None:  # int8 times its per-token scale, in the compute dtype
+        k, v = (x * x_scale[..., None].astype(q.dtype) for x, x_scale in zip((k, v), kv_scales))
+    k, v = (x if x.dtype == q.dtype else x.astype(q.dtype) for x in (k, v))
     block_k = config.block_k(d)
     kt, vt = packed_kv(k, v, block_k, config.lanes(q.dtype), config.panel_width(q.dtype))
     block_q = config.block_q(n_q, d, n_b * n_hq, numba.get_num_threads())

@@ -70,6 +70,41 @@ def _vec_ptr(builder, ptr, vty):
     return builder.bitcast(ptr, vty.as_pointer())
 
 
+# Storage types a K/V cache may have besides the compute dtype: float16 (passed as its uint16
+# bits: Numba has no float16 arrays) and int8 (quantized, scaled by the caller). Loads convert
+# to the compute type exactly (every float16 and int8 value is a float32).
+STORAGE_TYPES = (types.float32, types.float64, types.uint16, types.int8)
+
+
+def _storage_ok(arrty, vt):
+    return (isinstance(arrty, types.Array) and arrty.dtype in STORAGE_TYPES
+            and (arrty.dtype == vt.dtype or vt.dtype == types.float32))
+
+
+def _load_cvt(builder, ptr, arrty, lvt):
+    """Load ``lvt.count`` consecutive elements at ``ptr`` (an element pointer of ``arrty``'s
+    storage type) as the float vector type ``lvt``."""
+    n = lvt.count
+    dtype = arrty.dtype
+    if dtype in (types.float32, types.float64):
+        return builder.load(_vec_ptr(builder, ptr, lvt), align=dtype.bitwidth // 8)
+    raw_ty = ir.VectorType(ir.IntType(dtype.bitwidth), n)
+    raw = builder.load(_vec_ptr(builder, ptr, raw_ty), align=dtype.bitwidth // 8)
+    if dtype == types.uint16:  # IEEE half bits
+        return builder.fpext(builder.bitcast(raw, ir.VectorType(ir.HalfType(), n)), lvt)
+    return builder.sitofp(raw, lvt)
+
+
+def _load_cvt_scalar(builder, ptr, arrty, lty):
+    dtype = arrty.dtype
+    raw = builder.load(ptr)
+    if dtype in (types.float32, types.float64):
+        return raw if raw.type == lty else builder.fpext(raw, lty)
+    if dtype == types.uint16:
+        return builder.fpext(builder.bitcast(raw, ir.HalfType()), lty)
+    return builder.sitofp(raw, lty)
+
+
 # ---------------------------------------------------------------------------------------------
 # element-wise vector ops
 
@@ -87,6 +122,35 @@ def vload(typingctx, arr, index):
         return builder.load(_vec_ptr(builder, ptr, lvt), align=sig.args[0].dtype.bitwidth // 8)
 
     return vt(arr, types.intp), codegen
+
+
+@intrinsic
+def vload_as(typingctx, like, arr, index):
+    """``W`` lanes of ``arr.flat[index:index+W]`` converted to ``like``'s vector type; ``arr``
+    may hold a storage type (``STORAGE_TYPES``)."""
+    vt = _vec_of(like)
+    if vt is None or not _storage_ok(arr, vt):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ptr = _elem_ptr(context, builder, sig.args[1], args[1], args[2])
+        return _load_cvt(builder, ptr, sig.args[1], context.get_value_type(vt))
+
+    return vt(like, arr, types.intp), codegen
+
+
+@intrinsic
+def load_as(typingctx, like, arr, index):
+    """``arr.flat[index]`` converted to ``like``'s element type (see ``vload_as``)."""
+    vt = _vec_of(like)
+    if vt is None or not _storage_ok(arr, vt):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ptr = _elem_ptr(context, builder, sig.args[1], args[1], args[2])
+        return _load_cvt_scalar(builder, ptr, sig.args[1], context.get_value_type(vt.dtype))
+
+    return vt.dtype(like, arr, types.intp), codegen
 
 
 @intrinsic
@@ -328,7 +392,7 @@ def _make_gemm(mr, nv, accumulate):
     @intrinsic
     def gemm(typingctx, c, c_off, ldc, a, a_off, a_rs, a_ks, b, b_off, ldb, k):
         vt = _vec_of(c)
-        if vt is None or _vec_of(a) != vt or _vec_of(b) != vt:
+        if vt is None or _vec_of(a) != vt or not _storage_ok(b, vt):  # B: a V cache, say
             return None
         ip = types.intp
         sig = types.void(c, ip, ip, a, ip, ip, ip, b, ip, ip, ip)
@@ -357,9 +421,8 @@ def _make_gemm(mr, nv, accumulate):
             with cgutils.for_range(builder, kdim) as loop:
                 kk = loop.index
                 b_row = builder.gep(b_base, [builder.mul(kk, ldb)])
-                b_vecs = [builder.load(_vec_ptr(builder, builder.gep(
-                    b_row, [ir.Constant(kk.type, v * width)]), lvt), align=align)
-                    for v in range(nv)]
+                b_vecs = [_load_cvt(builder, builder.gep(
+                    b_row, [ir.Constant(kk.type, v * width)]), bty, lvt) for v in range(nv)]
                 for r in range(mr):
                     a_idx = builder.add(builder.mul(ir.Constant(lda.type, r), lda),
                                         builder.mul(kk, a_ks))
@@ -375,6 +438,64 @@ def _make_gemm(mr, nv, accumulate):
         return sig, codegen
 
     return gemm
+
+
+@intrinsic
+def vdot_keys(typingctx, q, q_off, k, k_off, k_stride, d_vec):
+    """The vector of ``W`` dot products ``q[q_off:q_off+d_vec] . k[k_off+j*k_stride:][:d_vec]``
+    for keys ``j = 0..W-1`` (``d_vec`` a multiple of ``W``): S for one query row and ``W`` keys
+    read in place (decode), with no horizontal sum per key.
+
+    Key ``j``'s products collect in its own vector ``acc_j``; then ``log2(W)`` folding levels
+    turn the ``W`` vectors into one: each level pairs vectors and, by two shuffles and one add,
+    halves the lanes each key occupies (``W`` -> ``W/2`` -> ... -> 1) while packing two vectors'
+    keys into one, in key order. ``2W - 2`` shuffles and ``W - 1`` adds for ``W`` keys, where
+    one horizontal sum per key would take ``2 log2(W)`` each; the order of the additions is
+    fixed."""
+    vt = _vec_of(q)
+    if vt is None or not _storage_ok(k, vt):
+        return None
+    ip = types.intp
+    sig = vt(q, ip, k, ip, ip, ip)
+
+    def codegen(context, builder, sig, args):
+        qty, _, kty, _, _, _ = sig.args
+        q_arr, q_off, k_arr, k_off, k_stride, d_vec = args
+        lvt = context.get_value_type(vt)
+        align = vt.dtype.bitwidth // 8
+        width = vt.width
+        q_base = _elem_ptr(context, builder, qty, q_arr, q_off)
+        k_base = _elem_ptr(context, builder, kty, k_arr, k_off)
+        k_rows = [builder.gep(k_base, [builder.mul(ir.Constant(k_stride.type, j), k_stride)])
+                  for j in range(width)]
+        accs = [cgutils.alloca_once(builder, lvt) for _ in range(width)]
+        for acc in accs:
+            builder.store(ir.Constant(lvt, None), acc)
+        n_steps = builder.udiv(d_vec, ir.Constant(d_vec.type, width))
+        with cgutils.for_range(builder, n_steps) as loop:
+            dd = builder.mul(loop.index, ir.Constant(d_vec.type, width))
+            q_v = builder.load(_vec_ptr(builder, builder.gep(q_base, [dd]), lvt), align=align)
+            for j in range(width):
+                k_v = _load_cvt(builder, builder.gep(k_rows[j], [dd]), kty, lvt)
+                builder.store(_fma(builder, q_v, k_v, builder.load(accs[j])), accs[j])
+        vecs = [builder.load(acc) for acc in accs]
+        seg = width  # lanes each key occupies in every vector of this level
+        idx_ty = ir.VectorType(ir.IntType(32), width)
+        while len(vecs) > 1:
+            half = seg // 2
+            lo, hi = [], []
+            for o in range(width):
+                src = 0 if o < width // 2 else width  # x's lanes, then y's, in the shuffle
+                key, pos = divmod(o % (width // 2), half)
+                lo.append(src + key * seg + pos)
+                hi.append(src + key * seg + half + pos)
+            vecs = [builder.fadd(builder.shuffle_vector(x, y, ir.Constant(idx_ty, lo)),
+                                 builder.shuffle_vector(x, y, ir.Constant(idx_ty, hi)))
+                    for x, y in zip(vecs[0::2], vecs[1::2])]
+            seg = half
+        return vecs[0]
+
+    return sig, codegen
 
 
 @intrinsic
