@@ -1,0 +1,149 @@
+"""A preallocated K/V cache for incremental decoding, in float32/float64, float16 or int8.
+
+Storage is ``(layers, B, Hkv, max_len, D)`` for K and ``(..., Dv)`` for V, allocated once;
+``append`` writes new tokens in place and ``attention`` reads the filled part through views, so
+a decode step allocates nothing that grows with the cache. ``attention`` reads float16 and int8
+caches in place and computes in float32 (the decode path of ``cpuflash.attention``).
+
+int8 is symmetric, one scale per token and head (``quantize_int8``): ``x ~= x8 * scale`` with
+``scale = max|x| / 127`` over the head dim, so the rounding error of an element is at most
+``max|x| / 254`` of its own row.
+"""
+import numbers
+
+import numpy as np
+
+from . import _checks
+from .api import attention as _attention
+
+STORAGE_DTYPES = (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16),
+                  np.dtype(np.int8))
+
+
+def quantize_int8(x):
+    """``(x8, scale)`` with ``x8`` int8 and ``scale`` float32 of shape ``x.shape[:-1]``, such that
+    ``x8 * scale[..., None]`` approximates ``x``: symmetric, ``scale = max|x| / 127`` over the
+    last axis (a row of zeros gets scale 0). NaN or Inf in ``x`` raise ValueError: int8 cannot
+    hold them."""
+    x = np.asarray(x)
+    if x.dtype not in _checks.FLOAT_DTYPES:
+        raise TypeError(f"x: expected a float array, got {x.dtype}")
+    if x.ndim == 0:
+        raise ValueError("x: expected at least one axis (the head dim), got a scalar")
+    x32 = x.astype(np.float32, copy=False)
+    if not np.all(np.isfinite(x32)):
+        raise ValueError("x: int8 quantization needs finite values, got NaN or Inf")
+    amax = np.max(np.abs(x32), axis=-1) if x.shape[-1] else np.zeros(x.shape[:-1], np.float32)
+    scale = (amax / np.float32(127.0)).astype(np.float32)
+    safe = np.where(scale > 0, scale, np.float32(1.0))
+    x8 = np.clip(np.rint(x32 / safe[..., None]), -127, 127).astype(np.int8)
+    return x8, scale
+
+
+def _count(name, x, minimum=1):
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral):
+        raise TypeError(f"{name}: expected an int, got {type(x).__name__}")
+    if x < minimum:
+        raise ValueError(f"{name}: expected at least {minimum}, got {x}")
+    return int(x)
+
+
+class KVCache:
+    """Preallocated keys and values of ``layers`` attention layers.
+
+    >>> cache = KVCache(layers=12, batch=1, kv_heads=2, max_len=1024, head_dim=64,
+    ...                 dtype=np.float16)
+    >>> cache.append(layer, k_new, v_new)          # (B, Hkv, n_new, D): written in place
+    >>> out = cache.attention(layer, q, causal=True)  # q (B, Hq, n_new, D) vs all tokens so far
+
+    ``dtype``: float32 or float64 (as the queries), float16 (half the bytes) or int8 (a quarter,
+    plus a float32 scale per token and head). Every layer has its own length: a layer's
+    ``append`` adds to that layer only, as a model's layers append one after another.
+    """
+
+    def __init__(self, layers, batch, kv_heads, max_len, head_dim, *, v_head_dim=None,
+                 dtype=np.float32):
+        layers, batch = _count("layers", layers), _count("batch", batch)
+        kv_heads, max_len = _count("kv_heads", kv_heads), _count("max_len", max_len)
+        head_dim = _count("head_dim", head_dim)
+        v_head_dim = head_dim if v_head_dim is None else _count("v_head_dim", v_head_dim)
+        try:
+            dtype = np.dtype(dtype)
+        except TypeError as exc:
+            raise TypeError(f"dtype: expected one of float32, float64, float16, int8, "
+                            f"got {dtype!r}") from exc
+        if dtype not in STORAGE_DTYPES:
+            raise TypeError(f"dtype: expected one of float32, float64, float16, int8, got {dtype}")
+        self.dtype = dtype
+        self.max_len = max_len
+        self.k = np.zeros((layers, batch, kv_heads, max_len, head_dim), dtype)
+        self.v = np.zeros((layers, batch, kv_heads, max_len, v_head_dim), dtype)
+        self.lengths = np.zeros(layers, dtype=np.int64)  # tokens held by each layer
+        if dtype == np.int8:
+            self.k_scale = np.zeros(self.k.shape[:-1], np.float32)
+            self.v_scale = np.zeros(self.v.shape[:-1], np.float32)
+        else:
+            self.k_scale = self.v_scale = None
+
+    @property
+    def nbytes(self):
+        scales = 0 if self.k_scale is None else self.k_scale.nbytes + self.v_scale.nbytes
+        return self.k.nbytes + self.v.nbytes + scales
+
+    def _layer(self, layer):
+        if isinstance(layer, (bool, np.bool_)) or not isinstance(layer, numbers.Integral):
+            raise TypeError(f"layer: expected an int, got {type(layer).__name__}")
+        if not 0 <= layer < len(self.lengths):
+            raise ValueError(f"layer: expected 0..{len(self.lengths) - 1}, got {layer}")
+        return int(layer)
+
+    def append(self, layer, k, v):
+        """Write ``k`` (B, Hkv, n, D) and ``v`` (B, Hkv, n, Dv) after the layer's tokens, in
+        place (converted to the cache's dtype; int8 quantized per token and head). Raises
+        ValueError, writing nothing, if the cache would overflow ``max_len``."""
+        layer = self._layer(layer)
+        for name, x, store in (("k", k, self.k), ("v", v, self.v)):
+            _checks.array(name, x)
+            if x.ndim != 4 or x.shape[:2] != store.shape[1:3] or x.shape[3] != store.shape[4]:
+                raise ValueError(f"{name}: expected shape (B, Hkv, n, D) = ({store.shape[1]}, "
+                                 f"{store.shape[2]}, n, {store.shape[4]}), got {x.shape}")
+        if k.shape[2] != v.shape[2]:
+            raise ValueError(f"k, v: expected the same number of new tokens, got "
+                             f"{k.shape[2]} and {v.shape[2]}")
+        start, n_new = int(self.lengths[layer]), k.shape[2]
+        if start + n_new > self.max_len:
+            raise ValueError(f"cache overflow: layer {layer} holds {start} of max_len "
+                             f"{self.max_len} tokens; appending {n_new} would exceed it")
+        stop = start + n_new
+        if self.dtype == np.int8:
+            self.k[layer, :, :, start:stop], self.k_scale[layer, :, :, start:stop] = \
+                quantize_int8(k)
+            self.v[layer, :, :, start:stop], self.v_scale[layer, :, :, start:stop] = \
+                quantize_int8(v)
+        else:
+            self.k[layer, :, :, start:stop] = k
+            self.v[layer, :, :, start:stop] = v
+        self.lengths[layer] = stop
+
+    def view(self, layer):
+        """The filled part of a layer as arguments for ``cpuflash.attention``:
+        ``(k, v, scales)`` with views ``k`` (B, Hkv, length, D), ``v`` and, for int8,
+        ``scales = {"k_scale": ..., "v_scale": ...}`` (else ``{}``)."""
+        layer = self._layer(layer)
+        n = int(self.lengths[layer])
+        k, v = self.k[layer, :, :, :n], self.v[layer, :, :, :n]
+        if self.k_scale is None:
+            return k, v, {}
+        return k, v, {"k_scale": self.k_scale[layer, :, :, :n],
+                      "v_scale": self.v_scale[layer, :, :, :n]}
+
+    def attention(self, layer, q, **options):
+        """``cpuflash.attention(q, k, v, **options)`` over the layer's tokens so far (``causal``
+        aligns the new queries to the end of the cache). float16/int8 caches are read in place
+        with float32 ``q``; with a float32/float64 cache, ``q`` has the cache's dtype."""
+        k, v, scales = self.view(layer)
+        return _attention(q, k, v, **scales, **options)
+
+    def reset(self):
+        """Forget every token (the storage is kept)."""
+        self.lengths[:] = 0

@@ -1,0 +1,176 @@
+"""KVCache and the float16/int8 K/V caches: decode through the cache against the reference on
+the dequantized cache, and against the last rows of a full forward pass; append, overflow and
+bad input."""
+import numpy as np
+import pytest
+
+import cpuflash
+from cpuflash import reference
+from cpuflash._cpu import decode
+from conftest import rand
+
+D = 32
+
+
+def dequantized(cache, layer):
+    k, v, scales = cache.view(layer)
+    if scales:
+        return k * scales["k_scale"][..., None], v * scales["v_scale"][..., None]
+    return k.astype(np.float64), v.astype(np.float64)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int8])
+@pytest.mark.parametrize("h_kv", [4, 2, 1])
+@pytest.mark.parametrize("keys_per_split", [64, 1024])
+def test_decode_from_cache_against_reference(dtype, h_kv, keys_per_split, monkeypatch):
+    """Every cache dtype, GQA ratio and split count (1 split, or many with a ragged last one)."""
+    monkeypatch.setattr(decode, "KEYS_PER_SPLIT", keys_per_split)
+    n_k = 300
+    cache = cpuflash.KVCache(2, 2, h_kv, 512, D, dtype=dtype)
+    k, v = rand((2, h_kv, n_k, D), seed=2), rand((2, h_kv, n_k, D), seed=3)
+    cache.append(1, k[:, :, :n_k - 3], v[:, :, :n_k - 3])
+    cache.append(1, k[:, :, n_k - 3:], v[:, :, n_k - 3:])  # 3 new tokens after a prefill
+    q = rand((2, 4, 3, D), seed=1)
+    out, lse = cache.attention(1, q, causal=True, return_lse=True)
+    kd, vd = dequantized(cache, 1)
+    ref, ref_lse = reference.attention(q, kd, vd, causal=True, return_lse=True)
+    np.testing.assert_allclose(out, ref, rtol=0, atol=2e-6)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.int8])
+def test_cache_with_kv_lens_and_options(dtype):
+    """kv_lens (a ragged batch in one cache), ALiBi and softcap read the same dequantized keys."""
+    cache = cpuflash.KVCache(1, 2, 2, 256, D, dtype=dtype)
+    cache.append(0, rand((2, 2, 200, D), seed=2), rand((2, 2, 200, D), seed=3))
+    q = rand((2, 4, 1, D), seed=1)
+    opts = {"kv_lens": np.array([200, 57]), "alibi_slopes": np.array([0.1, 0.2, 0.3, 0.4]),
+            "softcap": 5.0}
+    kd, vd = dequantized(cache, 0)
+    np.testing.assert_allclose(cache.attention(0, q, **opts),
+                               reference.attention(q, kd, vd, **opts), rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int8])
+def test_decode_equals_last_rows_of_full_forward(dtype):
+    """Token by token through the cache = the matching rows of one causal forward pass over
+    the same (dequantized) keys and values."""
+    n = 40
+    q, k, v = rand((1, 4, n, D), seed=1), rand((1, 2, n, D), seed=2), rand((1, 2, n, D), seed=3)
+    cache = cpuflash.KVCache(1, 1, 2, n, D, dtype=dtype)
+    steps = []
+    for t in range(n):
+        cache.append(0, k[:, :, t:t + 1], v[:, :, t:t + 1])
+        steps.append(cache.attention(0, q[:, :, t:t + 1], causal=True))
+    kd, vd = dequantized(cache, 0)
+    full = cpuflash.attention(q, kd.astype(np.float32), vd.astype(np.float32), causal=True)
+    np.testing.assert_allclose(np.concatenate(steps, axis=2), full, rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("dtype,bound", [(np.float16, 2e-3), (np.int8, 3e-2)])
+def test_cache_accuracy_vs_float32(dtype, bound):
+    """The storage error: output against float32 attention on the original keys and values
+    (the README's accuracy table comes from bench/test_decode.py on bigger shapes)."""
+    q, k, v = rand((1, 4, 1, 64), seed=1), rand((1, 2, 2000, 64), seed=2), rand((1, 2, 2000, 64),
+                                                                               seed=3)
+    cache = cpuflash.KVCache(1, 1, 2, 2000, 64, dtype=dtype)
+    cache.append(0, k, v)
+    err = np.abs(cache.attention(0, q) - reference.attention(q, k, v)).max()
+    assert 0 < err < bound
+
+
+def test_quantize_int8_round_trip():
+    x = rand((3, 5, 64), seed=4, scale=3.0)
+    x8, scale = cpuflash.quantize_int8(x)
+    assert x8.dtype == np.int8 and scale.dtype == np.float32 and scale.shape == (3, 5)
+    assert np.all(np.abs(x8 * scale[..., None] - x) <= scale[..., None] / 2 * (1 + 1e-6))
+    assert np.all(np.abs(x8).max(axis=-1) == 127)
+    z8, z_scale = cpuflash.quantize_int8(np.zeros((2, 8), np.float32))
+    assert np.all(z8 == 0) and np.all(z_scale == 0)
+    with pytest.raises(ValueError, match="finite"):
+        cpuflash.quantize_int8(np.array([[1.0, np.nan]], np.float32))
+
+
+def test_append_is_in_place_and_views_share_storage():
+    cache = cpuflash.KVCache(2, 1, 2, 16, D)
+    k_store = cache.k
+    cache.append(0, rand((1, 2, 5, D), seed=1), rand((1, 2, 5, D), seed=2))
+    cache.append(0, rand((1, 2, 3, D), seed=3), rand((1, 2, 3, D), seed=4))
+    assert cache.k is k_store and list(cache.lengths) == [8, 0]
+    k, v, scales = cache.view(0)
+    assert k.shape == (1, 2, 8, D) and np.shares_memory(k, cache.k) and scales == {}
+    np.testing.assert_array_equal(k[:, :, 5:], rand((1, 2, 3, D), seed=3))
+    cache.reset()
+    assert list(cache.lengths) == [0, 0]
+
+
+def test_empty_layer_gives_zeros():
+    cache = cpuflash.KVCache(1, 1, 1, 8, D)
+    out = cache.attention(0, rand((1, 1, 1, D)))
+    assert np.all(out == 0)
+
+
+def test_overflow_is_an_error_and_writes_nothing():
+    cache = cpuflash.KVCache(1, 1, 1, 10, D)
+    cache.append(0, rand((1, 1, 8, D)), rand((1, 1, 8, D)))
+    with pytest.raises(ValueError, match="overflow.*holds 8 of max_len 10.*appending 3"):
+        cache.append(0, rand((1, 1, 3, D)), rand((1, 1, 3, D)))
+    assert cache.lengths[0] == 8
+
+
+@pytest.mark.parametrize("kwargs,exc,words", [
+    ({"layers": 0}, ValueError, "layers"),
+    ({"max_len": 2.5}, TypeError, "max_len"),
+    ({"dtype": np.int32}, TypeError, "dtype"),
+    ({"dtype": "bogus"}, TypeError, "dtype"),
+])
+def test_bad_construction(kwargs, exc, words):
+    args = {"layers": 1, "batch": 1, "kv_heads": 1, "max_len": 4, "head_dim": D, **kwargs}
+    with pytest.raises(exc, match=words):
+        cpuflash.KVCache(**args)
+
+
+@pytest.mark.parametrize("layer,k_shape,v_shape,exc,words", [
+    (2, (1, 1, 1, D), (1, 1, 1, D), ValueError, "layer: expected 0..1"),
+    ("0", (1, 1, 1, D), (1, 1, 1, D), TypeError, "layer"),
+    (0, (1, 2, 1, D), (1, 1, 1, D), ValueError, "k: expected shape"),
+    (0, (1, 1, 1, D), (1, 1, 1, 7), ValueError, "v: expected shape"),
+    (0, (1, 1, 2, D), (1, 1, 1, D), ValueError, "same number of new tokens"),
+])
+def test_bad_append(layer, k_shape, v_shape, exc, words):
+    cache = cpuflash.KVCache(2, 1, 1, 4, D)
+    with pytest.raises(exc, match=words):
+        cache.append(layer, rand(k_shape), rand(v_shape))
+
+
+@pytest.mark.parametrize("q_dtype,kv_dtype,scales,exc,words", [
+    (np.float32, np.int8, None, TypeError, "k_scale: required"),
+    (np.float64, np.int8, "ok", TypeError, "q: expected float32 or float16"),
+    (np.float32, np.float32, "ok", TypeError, "only for int8"),
+    (np.float16, np.float32, None, TypeError, "expected one dtype"),
+    (np.float32, np.int8, "bad-shape", ValueError, "k_scale: expected shape"),
+    (np.float32, np.int8, "bad-dtype", TypeError, "k_scale: expected dtype float32"),
+])
+def test_bad_cache_formats(q_dtype, kv_dtype, scales, exc, words):
+    q = rand((1, 2, 1, D), q_dtype)
+    k = rand((1, 1, 6, D)).astype(kv_dtype)
+    v = rand((1, 1, 6, D)).astype(kv_dtype)
+    kwargs = {}
+    if scales == "ok":
+        kwargs = {"k_scale": np.ones((1, 1, 6), np.float32), "v_scale": np.ones((1, 1, 6),
+                                                                                np.float32)}
+    elif scales == "bad-shape":
+        kwargs = {"k_scale": np.ones((1, 6), np.float32), "v_scale": np.ones((1, 1, 6),
+                                                                            np.float32)}
+    elif scales == "bad-dtype":
+        kwargs = {"k_scale": np.ones((1, 1, 6)), "v_scale": np.ones((1, 1, 6), np.float32)}
+    with pytest.raises(exc, match=words):
+        cpuflash.attention(q, k, v, **kwargs)
+
+
+def test_backward_refuses_a_cache_format():
+    q = rand((1, 2, 1, D))
+    k = rand((1, 1, 6, D)).astype(np.float16)
+    out, lse = cpuflash.attention(q, k, k, return_lse=True)
+    with pytest.raises(TypeError, match="one dtype"):
+        cpuflash.attention_backward(out, q, k, k, out, lse)
