@@ -75,6 +75,106 @@ def torch_sdpa_grad():
     return run
 
 
+def torch_decode():
+    """torch's CPU SDPA for a decode step on numpy arrays (GQA through ``enable_gqa``), float32
+    K/V; None without torch."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    torch.set_num_threads(_threads())
+
+    def run(q, k, v):
+        with torch.no_grad():
+            return torch.nn.functional.scaled_dot_product_attention(
+                torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(v),
+                enable_gqa=True).numpy()
+
+    return run
+
+
+def decode_cache(k, v, cache_dtype):
+    """``(k, v, options)`` of a K/V cache in ``cache_dtype`` ("float32", "float16", "int8")
+    holding ``k``, ``v``; ``options`` has the int8 scales."""
+    import cpuflash
+    if cache_dtype == "int8":
+        (k8, k_scale), (v8, v_scale) = cpuflash.quantize_int8(k), cpuflash.quantize_int8(v)
+        return k8, v8, {"k_scale": k_scale, "v_scale": v_scale}
+    return k.astype(cache_dtype), v.astype(cache_dtype), {}
+
+
+COLD_BYTES = 600 << 20  # more than twice this machine's L3 (260 MiB): K/V come from DRAM
+
+
+def decode_case(h_kv, n_k, cache_dtype, cold=False, h_q=8, d=64, torch_run=None, seed=0):
+    """Time one decode step (B=1, Nq=1, ``h_q`` query heads, D=64) of cpuflash on a K/V cache
+    in ``cache_dtype`` and of torch's SDPA on the float32 K/V, side by side; with the machine's
+    streaming-read bandwidth for the same bytes.
+
+    ``cold``: a model's worth of layers, each with its own copy of the cache, at least
+    ``COLD_BYTES`` together, run one after another as a forward step through a model does, so
+    that K/V come from DRAM; else one layer, called again and again, which stays in the
+    caches if it fits. Returns a dict: ``ms`` per layer, ``gbs`` (unique K/V bytes read per
+    second, int8 scales included), ``stream_gbs``, ``torch_ms``, ``vs_torch``, ``err`` (max
+    abs error against the float64 reference on the float32 K/V, i.e. with the cache format's
+    rounding)."""
+    import cpuflash
+    q, k, v = make_qkv(1, h_q, n_k, d, n_q=1, h_kv=h_kv, seed=seed)
+    k_c, v_c, opts = decode_cache(k, v, cache_dtype)
+    layer_bytes = k_c.nbytes + v_c.nbytes + sum(x.nbytes for x in opts.values())
+    layers = max(1, -(-COLD_BYTES // layer_bytes)) if cold else 1
+    caches = [(k_c, v_c, opts)] + [(k_c.copy(), v_c.copy(), {n: x.copy() for n, x in opts.items()})
+                                   for _ in range(layers - 1)]
+
+    def step():
+        for k_l, v_l, o in caches:
+            cpuflash.attention(q, k_l, v_l, **o)
+
+    fns = {"cpuflash": step}
+    if torch_run is not None:
+        torch_layers = max(1, -(-COLD_BYTES // (k.nbytes + v.nbytes))) if cold else 1
+        kv32 = [(k, v)] + [(k.copy(), v.copy()) for _ in range(torch_layers - 1)]
+
+        def torch_step():
+            for k_l, v_l in kv32:
+                torch_run(q, k_l, v_l)
+
+        fns["torch"] = torch_step
+        per_layer = {"cpuflash": layers, "torch": torch_layers}
+    else:
+        per_layer = {"cpuflash": layers}
+    best = time_side_by_side(fns, repeats=10 if n_k <= 8192 else 5)
+    t = best["cpuflash"] / layers
+    row = {"Hq": h_q, "Hkv": h_kv, "Nk": n_k, "D": d, "cache": cache_dtype,
+           "mode": f"cold x{layers}" if cold else "hot", "ms": t * 1e3,
+           "gbs": layer_bytes / t / 1e9,
+           "stream_gbs": stream_read_bandwidth(layer_bytes * layers) / 1e9,
+           "err": float(np.max(np.abs(cpuflash.attention(q, k_c, v_c, **opts).astype(np.float64)
+                                      - reference.attention(q, k, v))))}
+    row["of_stream"] = row["gbs"] / row["stream_gbs"]
+    if "torch" in best:
+        row["torch_ms"] = best["torch"] / per_layer["torch"] * 1e3
+        row["vs_torch"] = row["torch_ms"] / row["ms"]
+    return row
+
+
+def stream_read_bandwidth(nbytes, repeats=20):
+    """Bytes per second of the machine's best parallel streaming read of a buffer of
+    ``nbytes`` (one vector sum per thread, the threads of the kernels): what a decode step that
+    reads that many bytes of K/V could reach at most. The buffer is read twice first, so like
+    a decode step's K/V it sits in whatever cache level its size allows."""
+    from ._cpu.stream import BLOCK, stream_sum
+    buf = np.ones(-(-max(nbytes // 4, 1) // BLOCK) * BLOCK, dtype=np.float32)
+    stream_sum(buf)
+    stream_sum(buf)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        stream_sum(buf)
+        best = min(best, time.perf_counter() - t0)
+    return buf.nbytes / best
+
+
 def _threads():
     import numba
     return numba.get_num_threads()

@@ -25,7 +25,7 @@ from .tasks import unravel
 from .dropout import dropout_row
 from .masking import apply_user_mask, row_band
 from .scores import modify_row
-from .tiles import MR, online_softmax, rescale_add, tile_product
+from .tiles import online_softmax, rescale_add, tile_product
 
 LN2 = math.log(2.0)
 LOG2_E = 1.0 / LN2
@@ -62,17 +62,39 @@ def axpy_row(acc, acc_off, p, vf, v_off, dv, dv_vec):
 
 
 @helper
-def chunk_scores(s, q_s, rows, d, d_vec, kf, k_off, k_step, n_c):
+def convert_rows(dst, src, src_off, src_step, n, d, d_vec):
+    """``dst[j*d:(j+1)*d] = src[src_off + j*src_step:][:d]`` in the compute dtype, j < n."""
+    lanes = simd.lanes_of(dst)
+    for j in range(n):
+        for dd in range(0, d_vec, lanes):
+            simd.vstore(dst, j * d + dd, simd.vload_as(dst, src, src_off + j * src_step + dd))
+        for dd in range(d_vec, d):
+            dst[j * d + dd] = simd.load_as(dst, src, src_off + j * src_step + dd)
+
+
+@helper
+def chunk_scores(s, q_s, rows, d, d_vec, kf, k_off, k_step, n_c, k_buf):
     """``s[r, jj] = q_r . k_(jj)`` for ``jj < n_c`` (rows ``CHUNK`` apart in ``s``), the key
     ``jj`` at ``kf[k_off + jj*k_step:]``. Whole groups of ``W`` keys by ``vdot_keys`` (keys in
     the inner loop of each group: its K rows are read from memory once, then from L1 for the
-    other rows), the rest and any head-dim tail by scalar dot products."""
+    other rows), the rest and any head-dim tail by scalar dot products.
+
+    ``k_buf`` (``W * d`` floats, or empty): a group of float16/int8 keys is first converted
+    into it once, for all rows, instead of once per row inside the dot products (which made a
+    float16 cache no faster than float32 with 4 rows)."""
     lanes = simd.lanes_of(s)
     n_full = n_c // lanes * lanes if d_vec > 0 else 0
+    staged = k_buf.size > 0
     for jj in range(0, n_full, lanes):
-        for r in range(rows):
-            simd.vstore(s, r * CHUNK + jj,
-                        simd.vdot_keys(q_s, r * d, kf, k_off + jj * k_step, k_step, d_vec))
+        if staged:
+            convert_rows(k_buf, kf, k_off + jj * k_step, k_step, lanes, d, d_vec)
+            for r in range(rows):
+                simd.vstore(s, r * CHUNK + jj, simd.vdot_keys(q_s, r * d, k_buf, 0, d, d_vec))
+        else:
+            for r in range(rows):
+                simd.vstore(s, r * CHUNK + jj, simd.vdot_keys(q_s, r * d, kf,
+                                                              k_off + jj * k_step, k_step,
+                                                              d_vec))
     for r in range(rows):
         if d_vec < d:
             for jj in range(n_full):
@@ -83,12 +105,13 @@ def chunk_scores(s, q_s, rows, d, d_vec, kf, k_off, k_step, n_c):
 
 
 @kernel
-def decode(q, kf, k_strides, vf, v_strides, k_scale, ks_strides, v_scale, vs_strides, n_hkv,
+def decode(q, kf, k_strides, k_storage, vf, v_strides, k_scale, ks_strides, v_scale, vs_strides, n_hkv,
            n_k, d, dv, n_splits, scale2, left, right, kv_lens, softcap2, slopes2, mask, mask_given,
            mask_is_bool, drop_below, seed, m_part, l_part, acc_part):
     """q: (B, Hq, Nq, D) any strides, compute dtype. kf, vf: 1-D views from the first element
     of K and V in their storage type (the compute dtype, float16 bits as uint16, or int8);
-    element (b, h, j, c) is at ``b*s0 + h*s1 + j*s2 + c`` with ``k_strides = (s0, s1, s2)``.
+    element (b, h, j, c) is at ``b*s0 + h*s1 + j*s2 + c`` with ``k_strides = (s0, s1, s2)``;
+    ``k_storage``: whether K is in a storage type (not the compute dtype).
     k_scale, v_scale: int8 dequantization scales, 1-D views with strides ``ks_strides``,
     ``vs_strides`` over (b, h, j) (``K = kf * k_scale``), or empty arrays when K/V are floats.
     left, right, kv_lens: the band of keys each row sees (masking.py); the splits divide the
@@ -103,11 +126,11 @@ def decode(q, kf, k_strides, vf, v_strides, k_scale, ks_strides, v_scale, vs_str
     # P @ V by the micro-kernel, V rows read in place, when they are whole vectors (a padded
     # read past the last row would leave the array); else one row update per key.
     tiled = dv == dv_vec
-    rows_pad = (rows + MR - 1) // MR * MR
     ld = dv  # acc row stride
     split_len = (n_k + n_splits - 1) // n_splits
     modify = softcap2 != 0.0 or np.any(slopes2 != 0.0)
     quantized = k_scale.size > 0
+    stage_k = rows > 1 and k_storage  # convert float16/int8 keys once for all rows
     inv_keep = 2.0**32 / (2.0**32 - drop_below)  # 1 / (1 - p)
     no_t = np.empty(0, dtype=acc_part.dtype)
     for task in prange(n_b * n_hkv * n_splits):
@@ -117,13 +140,14 @@ def decode(q, kf, k_strides, vf, v_strides, k_scale, ks_strides, v_scale, vs_str
             for i in range(n_q):
                 for dd in range(d):
                     q_s[(g * n_q + i) * d + dd] = q[b, hk * group + g, i, dd] * scale2
-        s = np.zeros(rows_pad * CHUNK, dtype=acc_part.dtype)  # padding rows stay P = 0
+        s = np.empty(rows * CHUNK, dtype=acc_part.dtype)
         m_i = np.full(rows, -np.inf, dtype=acc_part.dtype)
         l_i = np.zeros(rows, dtype=acc_part.dtype)
         l_tile = np.empty(rows, dtype=acc_part.dtype)
         alpha_i = np.empty(rows, dtype=acc_part.dtype)
-        acc = np.zeros(rows_pad * ld, dtype=acc_part.dtype)
-        pv = np.empty(rows_pad * ld, dtype=acc_part.dtype)
+        acc = np.zeros(rows * ld, dtype=acc_part.dtype)
+        pv = np.empty(rows * ld, dtype=acc_part.dtype)
+        k_buf = np.empty(lanes * d if stage_k else 0, dtype=acc_part.dtype)
         first_r = np.empty(rows, dtype=np.int64)  # each row's band of visible keys
         last_r = np.empty(rows, dtype=np.int64)
         kv_len = kv_lens[b]
@@ -139,7 +163,7 @@ def decode(q, kf, k_strides, vf, v_strides, k_scale, ks_strides, v_scale, vs_str
         for c0 in range(j_start, j_stop, CHUNK):
             n_c = min(CHUNK, j_stop - c0)
             chunk_scores(s, q_s, rows, d, d_vec, kf, k_head + c0 * k_strides[2], k_strides[2],
-                         n_c)
+                         n_c, k_buf)
             for r in range(rows):
                 row = r * CHUNK
                 if quantized:
@@ -174,7 +198,7 @@ def decode(q, kf, k_strides, vf, v_strides, k_scale, ks_strides, v_scale, vs_str
                         s[r * CHUNK + jj] *= v_scale[vs_head + (c0 + jj) * vs_strides[2]]
             if tiled:
                 tile_product(pv, 0, ld, s, 0, CHUNK, 1, vf, v_head + c0 * v_strides[2],
-                             v_strides[2], 1, rows_pad, dv, n_c, False, False)
+                             v_strides[2], 1, rows, dv, n_c, False, False)
                 rescale_add(acc, pv, ld, rows, alpha_i, False)
             else:
                 for r in range(rows):
@@ -267,7 +291,7 @@ def run_decode(q, k, v, scale, band, mods, user_mask, drop, out=None, kv_scales=
     m_part = np.empty((n_splits, n_b, n_hq, n_q), dtype=dtype)
     l_part = np.empty((n_splits, n_b, n_hq, n_q), dtype=dtype)
     acc_part = np.empty((n_splits, n_b, n_hq, n_q, dv), dtype=dtype)
-    decode(q, k_view[0], k_view[1], v_view[0], v_view[1], k_scale, ks_strides, v_scale,
+    decode(q, k_view[0], k_view[1], k.dtype != dtype, v_view[0], v_view[1], k_scale, ks_strides, v_scale,
            vs_strides, n_hkv, n_k, d, dv, n_splits, scale * LOG2_E, left, right, kv_lens, softcap2,
            slopes2, user_mask.view, user_mask.given, user_mask.is_bool, drop[0], drop[1],
            m_part, l_part, acc_part)

@@ -440,6 +440,9 @@ def _make_gemm(mr, nv, accumulate):
     return gemm
 
 
+DOT_UNROLL = 4  # head-dim vectors per straight-line block of vdot_keys (D = 64 in float32)
+
+
 @intrinsic
 def vdot_keys(typingctx, q, q_off, k, k_off, k_stride, d_vec):
     """The vector of ``W`` dot products ``q[q_off:q_off+d_vec] . k[k_off+j*k_stride:][:d_vec]``
@@ -466,18 +469,33 @@ def vdot_keys(typingctx, q, q_off, k, k_off, k_stride, d_vec):
         width = vt.width
         q_base = _elem_ptr(context, builder, qty, q_arr, q_off)
         k_base = _elem_ptr(context, builder, kty, k_arr, k_off)
-        k_rows = [builder.gep(k_base, [builder.mul(ir.Constant(k_stride.type, j), k_stride)])
-                  for j in range(width)]
         accs = [cgutils.alloca_once(builder, lvt) for _ in range(width)]
         for acc in accs:
             builder.store(ir.Constant(lvt, None), acc)
-        n_steps = builder.udiv(d_vec, ir.Constant(d_vec.type, width))
-        with cgutils.for_range(builder, n_steps) as loop:
-            dd = builder.mul(loop.index, ir.Constant(d_vec.type, width))
-            q_v = builder.load(_vec_ptr(builder, builder.gep(q_base, [dd]), lvt), align=align)
-            for j in range(width):
-                k_v = _load_cvt(builder, builder.gep(k_rows[j], [dd]), kty, lvt)
-                builder.store(_fma(builder, q_v, k_v, builder.load(accs[j])), accs[j])
+        const = ir.Constant
+
+        def steps(start, n_vecs):
+            """Straight-line FMAs over ``n_vecs`` vectors of the head dim from ``start``:
+            all of their K loads in flight at once (a loop with one vector per step keeps
+            fewer misses outstanding: measured 4.1 against 2.6 ns per key and row with K
+            in L3)."""
+            for v in range(n_vecs):
+                dd = builder.add(start, const(d_vec.type, v * width))
+                q_v = builder.load(_vec_ptr(builder, builder.gep(q_base, [dd]), lvt),
+                                   align=align)
+                for j in range(width):
+                    off = builder.add(builder.mul(const(k_stride.type, j), k_stride), dd)
+                    k_v = _load_cvt(builder, builder.gep(k_base, [off]), kty, lvt)
+                    builder.store(_fma(builder, q_v, k_v, builder.load(accs[j])), accs[j])
+
+        block = DOT_UNROLL * width
+        n_blocks = builder.udiv(d_vec, const(d_vec.type, block))
+        with cgutils.for_range(builder, n_blocks) as loop:
+            steps(builder.mul(loop.index, const(d_vec.type, block)), DOT_UNROLL)
+        done = builder.mul(n_blocks, const(d_vec.type, block))
+        rest = builder.udiv(builder.sub(d_vec, done), const(d_vec.type, width))
+        with cgutils.for_range(builder, rest) as loop:
+            steps(builder.add(done, builder.mul(loop.index, const(d_vec.type, width))), 1)
         vecs = [builder.load(acc) for acc in accs]
         seg = width  # lanes each key occupies in every vector of this level
         idx_ty = ir.VectorType(ir.IntType(32), width)

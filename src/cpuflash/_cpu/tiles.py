@@ -20,6 +20,33 @@ _set = [simd._make_gemm(MR, nv, accumulate=False) for nv in range(1, 5)]
 _acc = [simd._make_gemm(MR, nv, accumulate=True) for nv in range(1, 5)]
 _set1, _set2, _set3, _set4 = _set
 _acc1, _acc2, _acc3, _acc4 = _acc
+# One-row tiles for the rows past the last whole MR block (decode with fewer rows than MR).
+_row_set1, _row_set2, _row_set3, _row_set4 = [simd._make_gemm(1, nv, accumulate=False)
+                                              for nv in range(1, 5)]
+_row_acc1, _row_acc2, _row_acc3, _row_acc4 = [simd._make_gemm(1, nv, accumulate=True)
+                                              for nv in range(1, 5)]
+
+
+@helper
+def _micro_row(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k, nv, accumulate):
+    if accumulate:
+        if nv == 4:
+            _row_acc4(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k)
+        elif nv == 3:
+            _row_acc3(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k)
+        elif nv == 2:
+            _row_acc2(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k)
+        else:
+            _row_acc1(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k)
+    else:
+        if nv == 4:
+            _row_set4(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k)
+        elif nv == 3:
+            _row_set3(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k)
+        elif nv == 2:
+            _row_set2(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k)
+        else:
+            _row_set1(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k)
 
 
 @helper
@@ -47,7 +74,8 @@ def _micro_simd(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k, nv, accumu
 @helper
 def tile_product(c, c_off, ldc, a, a_off, a_rs, a_ks, b, b_off, b_ld, b_panel, rows, cols, k,
                  accumulate, portable):
-    """``C[:rows, :cols] (+)= A[:rows, :k] @ B[:k, :cols]``; rows % MR == 0, cols whole vectors.
+    """``C[:rows, :cols] (+)= A[:rows, :k] @ B[:k, :cols]``; cols whole vectors. Rows in blocks
+    of MR, then any rest one row at a time.
 
     ``A[r, k]`` is ``a[a_off + r*a_rs + k*a_ks]`` (row-major, or transposed with ``a_rs = 1``).
     B is read one column panel of ``panel_width`` columns at a time (the last may be narrower):
@@ -74,9 +102,13 @@ def tile_product(c, c_off, ldc, a, a_off, a_rs, a_ks, b, b_off, b_ld, b_panel, r
                     for j in range(width):
                         c[c_row + j] += a_rk * b[panel + kk * ldb + j]
         else:
-            for r0 in range(0, rows, MR):
+            whole = rows // MR * MR
+            for r0 in range(0, whole, MR):
                 _micro_simd(c, c_off + r0 * ldc + c0, ldc, a, a_off + r0 * a_rs, a_rs, a_ks,
                             b, panel, ldb, k, width // lanes, accumulate)
+            for r in range(whole, rows):
+                _micro_row(c, c_off + r * ldc + c0, ldc, a, a_off + r * a_rs, a_rs, a_ks,
+                           b, panel, ldb, k, width // lanes, accumulate)
 
 
 @helper
