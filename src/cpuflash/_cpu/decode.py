@@ -105,9 +105,9 @@ def chunk_scores(s, q_s, rows, d, d_vec, kf, k_off, k_step, n_c, k_buf):
 
 
 @kernel
-def decode(q, kf, k_strides, k_storage, vf, v_strides, k_scale, ks_strides, v_scale, vs_strides, n_hkv,
-           n_k, d, dv, n_splits, scale2, left, right, kv_lens, softcap2, slopes2, mask, mask_given,
-           mask_is_bool, drop_below, seed, m_part, l_part, acc_part):
+def decode(q, kf, k_strides, k_storage, vf, v_strides, k_scale, ks_strides, v_scale,
+           vs_strides, n_hkv, n_k, d, dv, n_splits, scale2, left, right, kv_lens, softcap2,
+           slopes2, mask, mask_given, mask_is_bool, drop_below, seed, m_part, l_part, acc_part):
     """q: (B, Hq, Nq, D) any strides, compute dtype. kf, vf: 1-D views from the first element
     of K and V in their storage type (the compute dtype, float16 bits as uint16, or int8);
     element (b, h, j, c) is at ``b*s0 + h*s1 + j*s2 + c`` with ``k_strides = (s0, s1, s2)``;
@@ -291,9 +291,9 @@ def run_decode(q, k, v, scale, band, mods, user_mask, drop, out=None, kv_scales=
     m_part = np.empty((n_splits, n_b, n_hq, n_q), dtype=dtype)
     l_part = np.empty((n_splits, n_b, n_hq, n_q), dtype=dtype)
     acc_part = np.empty((n_splits, n_b, n_hq, n_q, dv), dtype=dtype)
-    decode(q, k_view[0], k_view[1], k.dtype != dtype, v_view[0], v_view[1], k_scale, ks_strides, v_scale,
-           vs_strides, n_hkv, n_k, d, dv, n_splits, scale * LOG2_E, left, right, kv_lens, softcap2,
-           slopes2, user_mask.view, user_mask.given, user_mask.is_bool, drop[0], drop[1],
+    decode(q, k_view[0], k_view[1], k.dtype != dtype, v_view[0], v_view[1], k_scale,
+           ks_strides, v_scale, vs_strides, n_hkv, n_k, d, dv, n_splits, scale * LOG2_E, left,
+           right, kv_lens, softcap2, slopes2, user_mask.view, user_mask.given, user_mask.is_bool, drop[0], drop[1],
            m_part, l_part, acc_part)
     if out is None:
         out = np.empty((n_b, n_hq, n_q, dv), dtype=dtype)
