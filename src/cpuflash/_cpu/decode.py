@@ -293,8 +293,8 @@ def run_decode(q, k, v, scale, band, mods, user_mask, drop, out=None, kv_scales=
     acc_part = np.empty((n_splits, n_b, n_hq, n_q, dv), dtype=dtype)
     decode(q, k_view[0], k_view[1], k.dtype != dtype, v_view[0], v_view[1], k_scale,
            ks_strides, v_scale, vs_strides, n_hkv, n_k, d, dv, n_splits, scale * LOG2_E, left,
-           right, kv_lens, softcap2, slopes2, user_mask.view, user_mask.given, user_mask.is_bool, drop[0], drop[1],
-           m_part, l_part, acc_part)
+           right, kv_lens, softcap2, slopes2, user_mask.view, user_mask.given,
+           user_mask.is_bool, drop[0], drop[1], m_part, l_part, acc_part)
     if out is None:
         out = np.empty((n_b, n_hq, n_q, dv), dtype=dtype)
     lse = np.empty((n_b, n_hq, n_q), dtype=dtype)
