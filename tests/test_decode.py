@@ -64,11 +64,21 @@ def test_kv_cache_views_are_read_in_place():
     check(q, k, v)
 
 
-def test_rows_with_unit_stride_only():
-    k = rand((1, 1, 16, 50), seed=2).transpose(0, 1, 3, 2)  # rows are not unit-stride
+@pytest.mark.parametrize("n_k", [1, 50, 300])
+def test_transposed_k_is_read_in_place(n_k):
+    """K with contiguous keys (KVCache's layout): scores by the tile product, a ragged tail."""
+    k = rand((2, 2, 16, n_k), seed=2).transpose(0, 1, 3, 2)
+    v = rand((2, 2, n_k, 16), seed=3)
+    q = rand((2, 4, 2, 16), seed=1)
+    assert takes_decode_path(q, k, v)
+    check(q, k, v, causal=True)
+
+
+def test_neither_axis_unit_stride_takes_the_tiled_path():
+    k = rand((1, 1, 100, 32), seed=2)[:, :, ::2, ::2]
     v = rand((1, 1, 50, 16), seed=3)
     q = rand((1, 1, 1, 16), seed=1)
-    assert not takes_decode_path(q, k, v)  # the tiled path takes it
+    assert not takes_decode_path(q, k, v)
     check(q, k, v)
 
 

@@ -93,12 +93,12 @@ def test_quantize_int8_round_trip():
 
 def test_append_is_in_place_and_views_share_storage():
     cache = cpuflash.KVCache(2, 1, 2, 16, D)
-    k_store = cache.k
+    k_store = cache.k_t
     cache.append(0, rand((1, 2, 5, D), seed=1), rand((1, 2, 5, D), seed=2))
     cache.append(0, rand((1, 2, 3, D), seed=3), rand((1, 2, 3, D), seed=4))
-    assert cache.k is k_store and list(cache.lengths) == [8, 0]
+    assert cache.k_t is k_store and list(cache.lengths) == [8, 0]
     k, v, scales = cache.view(0)
-    assert k.shape == (1, 2, 8, D) and np.shares_memory(k, cache.k) and scales == {}
+    assert k.shape == (1, 2, 8, D) and np.shares_memory(k, cache.k_t) and scales == {}
     np.testing.assert_array_equal(k[:, :, 5:], rand((1, 2, 3, D), seed=3))
     cache.reset()
     assert list(cache.lengths) == [0, 0]

@@ -51,6 +51,15 @@ def dot_rows(q_s, q_off, kf, k_off, d, d_vec):
 
 
 @helper
+def dot_strided(q_s, q_off, kf, k_off, k_step, d):
+    """``q_s[q_off:q_off+d] . kf[k_off::k_step][:d]`` (a key of a transposed K)."""
+    total = 0.0
+    for dd in range(d):
+        total += q_s[q_off + dd] * simd.load_as(q_s, kf, k_off + dd * k_step)
+    return total
+
+
+@helper
 def axpy_row(acc, acc_off, p, vf, v_off, dv, dv_vec):
     """``acc[acc_off:acc_off+dv] += p * vf[v_off:v_off+dv]``."""
     p_v = simd.vsplat(acc, p)
@@ -110,8 +119,10 @@ def decode(q, kf, k_strides, k_storage, vf, v_strides, k_scale, ks_strides, v_sc
            slopes2, mask, mask_given, mask_is_bool, drop_below, seed, m_part, l_part, acc_part):
     """q: (B, Hq, Nq, D) any strides, compute dtype. kf, vf: 1-D views from the first element
     of K and V in their storage type (the compute dtype, float16 bits as uint16, or int8);
-    element (b, h, j, c) is at ``b*s0 + h*s1 + j*s2 + c`` with ``k_strides = (s0, s1, s2)``;
-    ``k_storage``: whether K is in a storage type (not the compute dtype).
+    element (b, h, j, c) is at ``b*s0 + h*s1 + j*s2 + c*s3`` with ``k_strides = (s0, s1, s2,
+    s3)``: ``s3 = 1`` (rows of K contiguous, scores by ``vdot_keys``) or ``s2 = 1`` (K
+    transposed, keys contiguous, scores by the tile product); ``v_strides`` likewise with
+    ``s3 = 1``. ``k_storage``: whether K is in a storage type (not the compute dtype).
     k_scale, v_scale: int8 dequantization scales, 1-D views with strides ``ks_strides``,
     ``vs_strides`` over (b, h, j) (``K = kf * k_scale``), or empty arrays when K/V are floats.
     left, right, kv_lens: the band of keys each row sees (masking.py); the splits divide the
@@ -130,7 +141,8 @@ def decode(q, kf, k_strides, k_storage, vf, v_strides, k_scale, ks_strides, v_sc
     split_len = (n_k + n_splits - 1) // n_splits
     modify = softcap2 != 0.0 or np.any(slopes2 != 0.0)
     quantized = k_scale.size > 0
-    stage_k = rows > 1 and k_storage  # convert float16/int8 keys once for all rows
+    keys_unit = k_strides[3] != 1  # K stored transposed: a key's D values k_strides[3] apart
+    stage_k = rows > 1 and k_storage and not keys_unit  # convert float16/int8 keys once
     inv_keep = 2.0**32 / (2.0**32 - drop_below)  # 1 / (1 - p)
     no_t = np.empty(0, dtype=acc_part.dtype)
     for task in prange(n_b * n_hkv * n_splits):
@@ -162,8 +174,17 @@ def decode(q, kf, k_strides, k_storage, vf, v_strides, k_scale, ks_strides, v_sc
         vs_head = b * vs_strides[0] + hk * vs_strides[1]
         for c0 in range(j_start, j_stop, CHUNK):
             n_c = min(CHUNK, j_stop - c0)
-            chunk_scores(s, q_s, rows, d, d_vec, kf, k_head + c0 * k_strides[2], k_strides[2],
-                         n_c, k_buf)
+            if keys_unit:  # S = Q K^T as a register-blocked product: keys along the lanes
+                n_vec = n_c // lanes * lanes
+                tile_product(s, 0, CHUNK, q_s, 0, d, 1, kf, k_head + c0, k_strides[3], 1, rows,
+                             n_vec, d, False, False)
+                for r in range(rows):
+                    for jj in range(n_vec, n_c):
+                        s[r * CHUNK + jj] = dot_strided(q_s, r * d, kf, k_head + c0 + jj,
+                                                        k_strides[3], d)
+            else:
+                chunk_scores(s, q_s, rows, d, d_vec, kf, k_head + c0 * k_strides[2],
+                             k_strides[2], n_c, k_buf)
             for r in range(rows):
                 row = r * CHUNK
                 if quantized:
@@ -245,16 +266,19 @@ def combine(m_part, l_part, acc_part, out, lse):
         lse[b, h, i] = (m + np.log2(total)) * LN2
 
 
-def _flat_view(x):
-    """A 1-D view from ``x``'s first element over all of it, and its strides in elements; None
-    unless rows are unit-stride and the other strides are non-negative whole elements."""
+def _flat_view(x, unit_axis=3):
+    """A 1-D view from ``x``'s first element over all of it, and its 4 strides in elements;
+    None unless axis ``unit_axis`` is unit-stride (or of length 1) and the other strides are
+    non-negative whole elements."""
     item = x.itemsize
-    if x.strides[3] != item and x.shape[3] > 1:
+    if x.strides[unit_axis] != item and x.shape[unit_axis] > 1:
         return None
-    if any(st < 0 or st % item for st in x.strides[:3]):
+    if any(st < 0 or st % item for st in x.strides):
         return None
-    steps = tuple(st // item for st in x.strides[:3])
-    span = 1 + sum((n - 1) * st for n, st in zip(x.shape[:3], steps)) + (x.shape[3] - 1)
+    steps = tuple(st // item for st in x.strides)
+    if x.shape[unit_axis] <= 1:
+        steps = steps[:unit_axis] + (1,) + steps[unit_axis + 1:]
+    span = 1 + sum((n - 1) * st for n, st in zip(x.shape, steps))
     flat = np.lib.stride_tricks.as_strided(x, shape=(span,), strides=(item,), writeable=False)
     return flat, steps
 
@@ -276,7 +300,10 @@ def run_decode(q, k, v, scale, band, mods, user_mask, drop, out=None, kv_scales=
     n_hkv, n_k, dv = v.shape[1], v.shape[2], v.shape[3]
     if n_q > MAX_NQ or n_k == 0 or q.size == 0 or v.size == 0:
         return None
-    k_view, v_view = _flat_view(_storage_view(k)), _flat_view(_storage_view(v))
+    k_store = _storage_view(k)
+    # K with unit-stride rows, or transposed (unit-stride keys: KVCache's layout)
+    k_view = _flat_view(k_store) or _flat_view(k_store, unit_axis=2)
+    v_view = _flat_view(_storage_view(v))
     if k_view is None or v_view is None:
         return None
     dtype = q.dtype
@@ -287,6 +314,7 @@ def run_decode(q, k, v, scale, band, mods, user_mask, drop, out=None, kv_scales=
         (k_scale, ks_strides), (v_scale, vs_strides) = (
             _flat_view(x[..., None]) or _flat_view(np.ascontiguousarray(x)[..., None])
             for x in kv_scales)
+        ks_strides, vs_strides = ks_strides[:3], vs_strides[:3]
     n_splits = max(1, min(MAX_SPLITS, -(-n_k // KEYS_PER_SPLIT)))
     m_part = np.empty((n_splits, n_b, n_hq, n_q), dtype=dtype)
     l_part = np.empty((n_splits, n_b, n_hq, n_q), dtype=dtype)
