@@ -36,6 +36,7 @@ CHUNK = 128
 KEYS_PER_SPLIT = 1024  # a split's keys: enough work per task, splits enough for the threads
 MAX_SPLITS = 64        # caps the partial results: at most 64 * (B, Hq, Nq, Dv), whatever Nk
 MAX_NQ = 16            # attention() takes this path for Nq up to this
+SERIAL_COMBINE = 1 << 18  # partial-output elements up to which the merge runs on one thread
 
 
 @helper
@@ -238,32 +239,50 @@ def decode(q, kf, k_strides, k_storage, vf, v_strides, k_scale, ks_strides, v_sc
                     acc_part[split, b, h, i, c] = acc[r * ld + c]
 
 
-@kernel
-def combine(m_part, l_part, acc_part, out, lse):
-    """Merge the splits in split order: out = sum_s acc_s 2^(m_s - M) / sum_s l_s 2^(m_s - M)."""
-    n_s, n_b, n_h, n_q = m_part.shape
+@helper
+def combine_row(m_part, l_part, acc_part, out, lse, b, h, i):
+    """Merge the splits of one row in split order:
+    ``out = sum_s acc_s 2^(m_s - M) / sum_s l_s 2^(m_s - M)``."""
+    n_s = m_part.shape[0]
     dv = out.shape[3]
-    for task in prange(n_b * n_h * n_q):
-        b, h, i = unravel(task, n_h, n_q)
-        m = -np.inf
-        for sp in range(n_s):
-            m = max(m, m_part[sp, b, h, i])
-        if m == -np.inf:  # the row sees no key
-            for c in range(dv):
-                out[b, h, i, c] = 0.0
-            lse[b, h, i] = -np.inf
-            continue
-        total = 0.0
+    m = -np.inf
+    for sp in range(n_s):
+        m = max(m, m_part[sp, b, h, i])
+    if m == -np.inf:  # the row sees no key
         for c in range(dv):
             out[b, h, i, c] = 0.0
-        for sp in range(n_s):
-            w = np.exp2(m_part[sp, b, h, i] - m)
-            total += w * l_part[sp, b, h, i]
-            for c in range(dv):
-                out[b, h, i, c] += w * acc_part[sp, b, h, i, c]
+        lse[b, h, i] = -np.inf
+        return
+    total = 0.0
+    for c in range(dv):
+        out[b, h, i, c] = 0.0
+    for sp in range(n_s):
+        w = np.exp2(m_part[sp, b, h, i] - m)
+        total += w * l_part[sp, b, h, i]
         for c in range(dv):
-            out[b, h, i, c] /= total
-        lse[b, h, i] = (m + np.log2(total)) * LN2
+            out[b, h, i, c] += w * acc_part[sp, b, h, i, c]
+    for c in range(dv):
+        out[b, h, i, c] /= total
+    lse[b, h, i] = (m + np.log2(total)) * LN2
+
+
+@kernel
+def combine(m_part, l_part, acc_part, out, lse):
+    """``combine_row`` for every row, rows spread over the threads."""
+    _, n_b, n_h, n_q = m_part.shape
+    for task in prange(n_b * n_h * n_q):
+        b, h, i = unravel(task, n_h, n_q)
+        combine_row(m_part, l_part, acc_part, out, lse, b, h, i)
+
+
+@helper
+def combine_serial(m_part, l_part, acc_part, out, lse):
+    """``combine_row`` for every row on the calling thread: for small merges, where waking
+    the pool would cost more than the work (each parallel launch is a thread wake-up)."""
+    _, n_b, n_h, n_q = m_part.shape
+    for task in range(n_b * n_h * n_q):
+        b, h, i = unravel(task, n_h, n_q)
+        combine_row(m_part, l_part, acc_part, out, lse, b, h, i)
 
 
 def _flat_view(x, unit_axis=3):
@@ -326,5 +345,6 @@ def run_decode(q, k, v, scale, band, mods, user_mask, drop, out=None, kv_scales=
     if out is None:
         out = np.empty((n_b, n_hq, n_q, dv), dtype=dtype)
     lse = np.empty((n_b, n_hq, n_q), dtype=dtype)
-    combine(m_part, l_part, acc_part, out, lse)
+    merge = combine_serial if acc_part.size <= SERIAL_COMBINE else combine
+    merge(m_part, l_part, acc_part, out, lse)  # the same per-row arithmetic either way
     return out, lse
