@@ -10,10 +10,13 @@ from cpuflash import cli
 
 def test_bench_json_on_a_tiny_shape(capsys):
     cli.main(["bench", "--shape", "1,2,64,16,1", "--repeats", "1", "--no-memory", "--no-torch",
-              "--json"])
+              "--decode-case", "2,300,int8", "--json"])
     report = json.loads(capsys.readouterr().out)
     (fwd,) = report["forward"]
     (bwd,) = report["backward"]
+    (dec,) = report["decode"]
+    assert dec["Nk"] == 300 and dec["cache"] == "int8" and dec["mode"] == "hot"
+    assert 0 < dec["err"] < 5e-3 and dec["gbs"] > 0 and dec["stream_gbs"] > 0
     assert fwd["N"] == 64 and fwd["causal"] is True and fwd["vs_naive"] > 0
     assert fwd["err"] < 1e-5 and bwd["err"] < 1e-5 and fwd["gflops"] > 0
     assert report["meta"]["threads"] >= 1
@@ -25,9 +28,10 @@ def test_info_json(capsys):
     assert facts["vector_bytes"] in (16, 32, 64) and facts["block_k"] > 0
 
 
-def test_bad_shape_option():
+@pytest.mark.parametrize("option", [["--shape", "1,2,64"], ["--decode-case", "2,300,int4"]])
+def test_bad_shape_option(option):
     with pytest.raises(SystemExit):
-        cli.main(["bench", "--shape", "1,2,64"])
+        cli.main(["bench", *option])
 
 
 def test_python_dash_m_runs():

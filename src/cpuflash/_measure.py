@@ -94,13 +94,14 @@ def torch_decode():
 
 
 def decode_cache(k, v, cache_dtype):
-    """``(k, v, options)`` of a K/V cache in ``cache_dtype`` ("float32", "float16", "int8")
-    holding ``k``, ``v``; ``options`` has the int8 scales."""
+    """``(k, v, options)``: views of a ``cpuflash.KVCache`` in ``cache_dtype`` ("float32",
+    "float16", "int8") holding ``k``, ``v`` (K transposed, as the cache stores it); ``options``
+    has the int8 scales."""
     import cpuflash
-    if cache_dtype == "int8":
-        (k8, k_scale), (v8, v_scale) = cpuflash.quantize_int8(k), cpuflash.quantize_int8(v)
-        return k8, v8, {"k_scale": k_scale, "v_scale": v_scale}
-    return k.astype(cache_dtype), v.astype(cache_dtype), {}
+    n_b, n_h, n_k, d = k.shape
+    cache = cpuflash.KVCache(1, n_b, n_h, n_k, d, v_head_dim=v.shape[3], dtype=cache_dtype)
+    cache.append(0, k, v)
+    return cache.view(0)
 
 
 COLD_BYTES = 600 << 20  # more than twice this machine's L3 (260 MiB): K/V come from DRAM
@@ -123,7 +124,10 @@ def decode_case(h_kv, n_k, cache_dtype, cold=False, h_q=8, d=64, torch_run=None,
     k_c, v_c, opts = decode_cache(k, v, cache_dtype)
     layer_bytes = k_c.nbytes + v_c.nbytes + sum(x.nbytes for x in opts.values())
     layers = max(1, -(-COLD_BYTES // layer_bytes)) if cold else 1
-    caches = [(k_c, v_c, opts)] + [(k_c.copy(), v_c.copy(), {n: x.copy() for n, x in opts.items()})
+    def copy(x):  # same memory layout (K stays transposed)
+        return np.copy(x, order="K")
+
+    caches = [(k_c, v_c, opts)] + [(copy(k_c), copy(v_c), {n: copy(x) for n, x in opts.items()})
                                    for _ in range(layers - 1)]
 
     def step():

@@ -30,6 +30,11 @@ BACKWARD_SHAPES = [
     (1, 8, 8192, 64, True),
 ]
 LONG_BACKWARD_SHAPES = BACKWARD_SHAPES + [(1, 8, 512, 64, True), (1, 8, 8192, 64, False)]
+# (Hkv, Nk, cache dtype, cold) of decode steps: Nq=1, Hq=8, D=64; cold = a model's worth of
+# layers whose K/V together exceed the L3 cache, so that they stream from DRAM.
+DECODE_CASES = ([(h_kv, n_k, cache, False) for n_k in (4096, 32768) for h_kv in (8, 2)
+                 for cache in ("float32", "float16", "int8")]
+                + [(2, 32768, cache, True) for cache in ("float32", "float16", "int8")])
 NAIVE_MAX_BYTES = 2 << 30  # skip the naive peer when its score matrix would exceed 2 GiB
 
 
@@ -39,6 +44,14 @@ def _parse_shape(text):
         raise argparse.ArgumentTypeError(f"--shape: expected B,H,N,D,causal, got {text!r}")
     b, h, n, d = (int(p) for p in parts[:4])
     return b, h, n, d, parts[4].strip().lower() in ("1", "true", "yes", "causal")
+
+
+def _parse_decode_case(text):
+    parts = [p.strip() for p in text.split(",")]
+    if len(parts) not in (3, 4) or parts[2] not in ("float32", "float16", "int8"):
+        raise argparse.ArgumentTypeError(
+            f"--decode-case: expected Hkv,Nk,float32|float16|int8[,cold], got {text!r}")
+    return int(parts[0]), int(parts[1]), parts[2], len(parts) == 4 and parts[3] == "cold"
 
 
 def bench(args):
@@ -64,6 +77,9 @@ def bench(args):
         shapes = args.shape or (LONG_BACKWARD_SHAPES if args.long else BACKWARD_SHAPES)
         grad_run = None if args.no_torch else _measure.torch_sdpa_grad()
         report["backward"] = _bench_backward(args, shapes, dtype, grad_run)
+    if args.section in ("decode", "all"):
+        report["decode"] = _bench_decode(args, None if args.no_torch else
+                                         _measure.torch_decode())
     report["meta"] = {
         "cpuflash": cpuflash.__version__, "numba": _numba_version(), "numpy": np.__version__,
         "torch": torch_version, "threads": cpuflash.get_num_threads(),
@@ -134,6 +150,36 @@ def _bench_backward(args, shapes, dtype, grad_run):
         if not args.json:
             _print_row(row, first=len(rows) == 1, title="forward + backward")
     return rows
+
+
+def _bench_decode(args, torch_run):
+    from cpuflash import _measure
+
+    rows = []
+    for h_kv, n_k, cache, cold in args.decode_case or DECODE_CASES:
+        row = _measure.decode_case(h_kv, n_k, cache, cold=cold, torch_run=torch_run)
+        rows.append(row)
+        if not args.json:
+            _print_decode_row(row, first=len(rows) == 1)
+    if not args.json:
+        print("decode: one step, B=1, Nq=1, Hq=8, D=64, K/V in a KVCache of the given dtype; "
+              "GB/s = unique K/V bytes read per second; stream = the machine's streaming read "
+              "of as many bytes; torch = SDPA (enable_gqa) on float32 K/V; cold = layers run "
+              "in turn with K/V from DRAM, hot = one layer again and again; err = max abs "
+              "error vs the float64 reference on the float32 K/V.")
+    return rows
+
+
+def _print_decode_row(row, first):
+    if first:
+        print("\ndecode")
+        print(f"{'Hkv':>3} {'Nk':>6} {'cache':>7} {'mode':>9} | {'ms':>7} {'GB/s':>6} "
+              f"{'stream':>6} {'of str':>6} | {'torch ms':>8} {'x torch':>7} | {'err':>7}")
+    vs = f"{row['vs_torch']:7.2f}" if "vs_torch" in row else f"{'-':>7}"
+    torch_ms = f"{row['torch_ms']:8.3f}" if "torch_ms" in row else f"{'-':>8}"
+    print(f"{row['Hkv']:>3} {row['Nk']:>6} {row['cache']:>7} {row['mode']:>9} | "
+          f"{row['ms']:7.3f} {row['gbs']:6.1f} {row['stream_gbs']:6.1f} "
+          f"{row['of_stream']:6.0%} | {torch_ms} {vs} | {row['err']:7.1e}", flush=True)
 
 
 def _row(b, h, n, d, causal, dtype, best, flops):
@@ -222,8 +268,12 @@ def main(argv=None):
     p_bench = sub.add_parser("bench", help="time the forward pass against torch SDPA and numpy")
     p_bench.add_argument("--shape", type=_parse_shape, action="append",
                          help="B,H,N,D,causal (repeatable); default: a one-minute set")
+    p_bench.add_argument("--decode-case", type=_parse_decode_case, action="append",
+                         help="Hkv,Nk,float32|float16|int8[,cold] (repeatable): decode steps "
+                              "with Nq=1, Hq=8, D=64; default: a set of 15")
     p_bench.add_argument("--long", action="store_true", help="a longer sweep of shapes")
-    p_bench.add_argument("--section", default="all", choices=["forward", "backward", "all"])
+    p_bench.add_argument("--section", default="all",
+                         choices=["forward", "backward", "decode", "all"])
     p_bench.add_argument("--dtype", default="float32", choices=["float32", "float64", "float16"])
     p_bench.add_argument("--threads", type=int, default=0, help="threads (default: Numba's)")
     p_bench.add_argument("--repeats", type=int, default=5)
