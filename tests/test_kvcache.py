@@ -1,6 +1,10 @@
 """KVCache and the float16/int8 K/V caches: decode through the cache against the reference on
 the dequantized cache, and against the last rows of a full forward pass; append, overflow and
 bad input."""
+import json
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -174,3 +178,40 @@ def test_backward_refuses_a_cache_format():
     out, lse = cpuflash.attention(q, k, k, return_lse=True)
     with pytest.raises(TypeError, match="one dtype"):
         cpuflash.attention_backward(out, q, k, k, out, lse)
+
+
+_STEP_MEMORY = r"""
+import json, sys
+import numpy as np
+import cpuflash
+n_k = int(sys.argv[1])
+cache = cpuflash.KVCache(1, 1, 2, n_k, 64, dtype=np.float16)
+rng = np.random.default_rng(0)
+for start in range(0, n_k, 4096):  # filled in pieces: no float32 copy of the whole cache
+    n = min(4096, n_k - start)
+    cache.append(0, rng.standard_normal((1, 2, n, 64), dtype=np.float32),
+                 rng.standard_normal((1, 2, n, 64), dtype=np.float32))
+q = rng.standard_normal((1, 8, 1, 64), dtype=np.float32)
+out = np.empty((1, 8, 1, 64), np.float32)
+cache.attention(0, q, out=out)  # compile/load, thread pool up
+def rss(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")
+before = rss("VmRSS")
+cache.attention(0, q, out=out)
+print(json.dumps((rss("VmHWM") - before) * 1024))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_decode_step_allocates_nothing_that_grows_with_the_cache():
+    """Peak RSS growth of one step at Nk = 16384 and 262144 (16x): the same few pages."""
+    growth = []
+    for n_k in (16384, 262144):
+        proc = subprocess.run([sys.executable, "-c", _STEP_MEMORY, str(n_k)],
+                              capture_output=True, text=True, timeout=300, check=False)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        growth.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    assert growth[1] <= growth[0] + (256 << 10) and growth[1] < (1 << 20), growth
