@@ -38,16 +38,22 @@ def tanh_scalar(y):
 
 
 @helper
-def tanh_vec(s, y, small):
-    """tanh of the vector ``y`` (``s`` gives the element type; ``small`` = SERIES_BELOW)."""
+def tanh_series_over_y(s, y):
+    """``tanh(y) / y`` by the odd series (a polynomial in ``y^2``), for ``|y| < SERIES_BELOW``."""
     y2 = simd.vmul(y, y)
     poly = simd.vsplat(s, TANH_SERIES[4])
     poly = simd.vfma(poly, y2, simd.vsplat(s, TANH_SERIES[3]))
     poly = simd.vfma(poly, y2, simd.vsplat(s, TANH_SERIES[2]))
     poly = simd.vfma(poly, y2, simd.vsplat(s, TANH_SERIES[1]))
-    poly = simd.vfma(poly, y2, simd.vsplat(s, TANH_SERIES[0]))
+    return simd.vfma(poly, y2, simd.vsplat(s, TANH_SERIES[0]))
+
+
+@helper
+def tanh_vec(s, y, small):
+    """tanh of the vector ``y`` (``s`` gives the element type; ``small`` = SERIES_BELOW)."""
+    poly = tanh_series_over_y(s, y)
     a = simd.vabs(y)
-    if simd.vhmax(a) < SERIES_BELOW:  # every lane small (common: softcap >> scores)
+    if simd.vall_lt(a, small):  # every lane small (common: softcap >> scores)
         return simd.vmul(y, poly)
     e = simd.vexp2(simd.vmul(a, simd.vsplat(s, -2.0 * LOG2_E)))
     one = simd.vsplat(s, 1.0)
@@ -88,10 +94,14 @@ def modify_row(s, off, n, i_rel, k0, softcap2, slope2, t_out, portable):
         x = simd.vload(s, off + j)
         if softcap2 != 0.0:
             y = simd.vmul(x, inv_cap)
-            t = tanh_vec(s, y, small)
-            if keep_t:
-                simd.vstore(t_out, off + j, t)
-            x = simd.vmul(cap, t)
+            if not keep_t and simd.vall_lt(simd.vabs(y), small):
+                # the common case (softcap >> scores): c tanh(x / c) = x * (tanh(y) / y)
+                x = simd.vmul(x, tanh_series_over_y(s, y))
+            else:
+                t = tanh_vec(s, y, small)
+                if keep_t:
+                    simd.vstore(t_out, off + j, t)
+                x = simd.vmul(cap, t)
         if slope2 != 0.0:
             dist = simd.vabs(simd.vsub(simd.vsplat(s, i_rel - (k0 + j)), iota))
             x = simd.vfma(neg_slope, dist, x)

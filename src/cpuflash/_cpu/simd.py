@@ -252,6 +252,21 @@ def vwhere_lt(typingctx, a, b, x, y):
 
 
 @intrinsic
+def vall_lt(typingctx, a, b):
+    """Whether ``a < b`` in every lane (False where a lane is NaN): one compare and one mask
+    test, where a horizontal max and a scalar compare take a shuffle tree."""
+    if not isinstance(a, Vec) or a != b:
+        return None
+
+    def codegen(context, builder, sig, args):
+        lt = builder.fcmp_ordered("<", args[0], args[1])
+        bits = builder.bitcast(lt, ir.IntType(a.width))
+        return builder.icmp_unsigned("==", bits, ir.Constant(ir.IntType(a.width), -1))
+
+    return types.boolean(a, b), codegen
+
+
+@intrinsic
 def vselect_nonzero(typingctx, m, a, b):
     """Lane by lane: ``a`` where ``m != 0`` (NaN counts as nonzero), else ``b``."""
     if not isinstance(m, Vec) or not (m == a == b):
