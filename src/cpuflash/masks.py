@@ -90,7 +90,8 @@ def modifiers(softcap, alibi_slopes, n_b, n_hq):
 
 class UserMask:
     """A caller's bool or float ``mask``, broadcastable to (B, Hq, Nq, Nk), as the kernels take
-    it: ``view`` (B, Hq, Nq, Nk) by stride-0 broadcasting (never a dense copy), ``is_bool``,
+    it: ``view`` (B, Hq, Nq, Nk) by stride-0 broadcasting (never a dense copy; a bool mask as
+    uint8 0/1), ``is_bool``,
     and ``tile_states(block_q, block_k)``. With no mask: a 1-element all-True view, ``None``
     states (every tile CLEAR)."""
 
@@ -103,7 +104,9 @@ class UserMask:
             self.given = True
             self.raw = _mask_4d(mask, self.shape, compute_dtype)
         self.is_bool = self.raw.dtype == np.bool_
-        self.view = np.broadcast_to(self.raw, self.shape)
+        # bool as its bytes (0/1): the kernels load a row of them as one vector
+        raw = self.raw.view(np.uint8) if self.is_bool else self.raw
+        self.view = np.broadcast_to(raw, self.shape)
 
     def tile_states(self, block_q, block_k):
         """int8 (B, Hq, n_qb, n_kb) view: HIDDEN, MIXED or CLEAR for each tile."""

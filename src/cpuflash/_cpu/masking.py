@@ -21,6 +21,7 @@ cost nothing, and only ``MIXED`` tiles are masked element by element (``apply_us
 import numpy as np
 from numba import prange
 
+from . import simd
 from ._jit import helper, kernel
 from .tasks import unravel
 
@@ -71,16 +72,30 @@ def mask_tile(s, ld, rows, q0, k0, block_k, n_q, kv_len, left, right, masked):
 def apply_user_mask(s, off, ld, rows, mask, is_bool, b, h, q0, k0, n_cols, log2e):
     """The caller's mask on rows ``q0 + r`` (``r < rows``, scores at ``s[off + r*ld + j]``), key
     columns ``k0 .. k0 + n_cols``:
-    bool: ``False`` sets ``-inf``; float: adds ``mask * log2(e)`` (base-2 units). ``mask`` is
-    a (B, Hq, Nq, Nk) view, broadcast by stride 0, never a dense copy."""
+    bool (its bytes, 0/1): 0 sets ``-inf``; float: adds ``mask * log2(e)`` (base-2 units).
+    ``mask`` is a (B, Hq, Nq, Nk) view, broadcast by stride 0, never a dense copy. A row of
+    contiguous mask entries goes by whole vectors, the rest one entry at a time (measured, one
+    thread, H=8, N=2048, a 2-D float mask with causal: time over plain causal 1.95x -> 1.25x
+    with random values in the lower triangle)."""
+    lanes = simd.lanes_of(s)
+    neg_inf = simd.vsplat(s, -np.inf)
+    scale = simd.vsplat(s, log2e)
     for r in range(rows):
         mask_row = mask[b, h, q0 + r, k0:k0 + n_cols]  # a view: strided or broadcast
         row = off + r * ld
+        n_vec = n_cols // lanes * lanes if mask_row.strides[0] == mask_row.itemsize else 0
+        for j in range(0, n_vec, lanes):
+            m = simd.vload_as(s, mask_row, j)
+            x = simd.vload(s, row + j)
+            if is_bool:
+                simd.vstore(s, row + j, simd.vselect_nonzero(m, x, neg_inf))
+            else:
+                simd.vstore(s, row + j, simd.vfma(m, scale, x))
         if is_bool:
-            for j in range(n_cols):
+            for j in range(n_vec, n_cols):
                 s[row + j] = s[row + j] if mask_row[j] else -np.inf
         else:
-            for j in range(n_cols):
+            for j in range(n_vec, n_cols):
                 s[row + j] += mask_row[j] * log2e
 
 

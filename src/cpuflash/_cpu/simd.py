@@ -71,14 +71,16 @@ def _vec_ptr(builder, ptr, vty):
 
 
 # Storage types a K/V cache may have besides the compute dtype: float16 (passed as its uint16
-# bits: Numba has no float16 arrays) and int8 (quantized, scaled by the caller). Loads convert
-# to the compute type exactly (every float16 and int8 value is a float32).
-STORAGE_TYPES = (types.float32, types.float64, types.uint16, types.int8)
+# bits: Numba has no float16 arrays) and int8 (quantized, scaled by the caller); and uint8, the
+# bytes of a bool mask. Loads convert to the compute type exactly (every float16, int8 and
+# uint8 value is a float32).
+STORAGE_TYPES = (types.float32, types.float64, types.uint16, types.int8, types.uint8)
 
 
 def _storage_ok(arrty, vt):
     return (isinstance(arrty, types.Array) and arrty.dtype in STORAGE_TYPES
-            and (arrty.dtype == vt.dtype or vt.dtype == types.float32))
+            and (arrty.dtype in (vt.dtype, types.uint8, types.float32, types.float64)
+                 or vt.dtype == types.float32))
 
 
 def _load_cvt(builder, ptr, arrty, lvt):
@@ -87,11 +89,19 @@ def _load_cvt(builder, ptr, arrty, lvt):
     n = lvt.count
     dtype = arrty.dtype
     if dtype in (types.float32, types.float64):
-        return builder.load(_vec_ptr(builder, ptr, lvt), align=dtype.bitwidth // 8)
+        src_ty = ir.VectorType(ir.FloatType() if dtype == types.float32 else ir.DoubleType(), n)
+        raw = builder.load(_vec_ptr(builder, ptr, src_ty), align=dtype.bitwidth // 8)
+        if src_ty == lvt:
+            return raw
+        # a float64 mask on float32 scores, rounded once (or float32 widened: exact)
+        return (builder.fptrunc(raw, lvt) if dtype == types.float64
+                else builder.fpext(raw, lvt))
     raw_ty = ir.VectorType(ir.IntType(dtype.bitwidth), n)
     raw = builder.load(_vec_ptr(builder, ptr, raw_ty), align=dtype.bitwidth // 8)
     if dtype == types.uint16:  # IEEE half bits
         return builder.fpext(builder.bitcast(raw, ir.VectorType(ir.HalfType(), n)), lvt)
+    if dtype == types.uint8:
+        return builder.uitofp(raw, lvt)
     return builder.sitofp(raw, lvt)
 
 
@@ -99,9 +109,13 @@ def _load_cvt_scalar(builder, ptr, arrty, lty):
     dtype = arrty.dtype
     raw = builder.load(ptr)
     if dtype in (types.float32, types.float64):
-        return raw if raw.type == lty else builder.fpext(raw, lty)
+        if raw.type == lty:
+            return raw
+        return builder.fptrunc(raw, lty) if dtype == types.float64 else builder.fpext(raw, lty)
     if dtype == types.uint16:
         return builder.fpext(builder.bitcast(raw, ir.HalfType()), lty)
+    if dtype == types.uint8:
+        return builder.uitofp(raw, lty)
     return builder.sitofp(raw, lty)
 
 
