@@ -38,8 +38,8 @@ from .tiles import (
     ZERO,
     backward_shape,
     first_key,
+    grad_lines,
     last_key,
-    modify,
     pad8,
     shared_size,
     shfl_sync,
@@ -174,8 +174,7 @@ def dq_kernel(q, k, v, dout, lse2, delta, scale2, left, right, kv_lens, softcap2
             x = float32(dout[b, h, q0 + r, c])
         dos[c * BR + (r + c) % BR] = x
     @rows_stats
-    lo = first_key(q0, n_q, kv_len, left)
-    hi = last_key(q0 + rows - 1, n_q, kv_len, right)
+    @band
     @init
     for kt in range(lo // BC, (hi // BC + 1) if hi >= lo else 0):
         k0 = kt * BC
@@ -207,23 +206,6 @@ def dq_kernel(q, k, v, dout, lse2, delta, scale2, left, right, kv_lens, softcap2
 """
 
 
-@cuda.jit(device=True, inline=True)
-def grad_score(s, dp, row, key, n_q, kv_len, left, right, lse2_i, delta_i, mods, softcap2,
-               cap_inv, slope2):
-    """``(p, ds)`` of one (row, key): the forward's probability regenerated from ``lse2`` and
-    the gradient of its natural-unit score; both 0 outside the row's band."""
-    t = ZERO
-    if mods:
-        s, t = modify(s, row + kv_len - n_q - key, softcap2, cap_inv, slope2)
-    if key < first_key(row, n_q, kv_len, left) or key > last_key(row, n_q, kv_len, right):
-        return ZERO, ZERO
-    p = math.exp2(s - lse2_i)
-    ds = p * (dp - delta_i)
-    if softcap2 != ZERO:
-        ds *= ONE - t * t  # through s = c * tanh(s_raw / c)
-    return p, ds
-
-
 def _blocks(own, other, TM, TN, CK, CV):
     """The register-tile blocks of both kernels. ``own``/``other``: which smem arrays hold the
     owned rows (TM per thread) and the other side (TN per thread, strided by 8)."""
@@ -251,9 +233,9 @@ def make_dkdv(d_pad, dv_pad, mods):
         grad += [f"qi = q0 + tx + {8 * c}",
                  "lse2_c = lse2[b, h, qi] if qi < n_q else POS_INF",
                  "delta_c = delta[b, h, qi] if qi < n_q else ZERO"]
-        grad += rep(f"s{{i}}_{c}, dp{{i}}_{c} = grad_score(s{{i}}_{c}, dp{{i}}_{c}, qi, "
-                    f"k0 + ty * TM + {{i}}, n_q, kv_len, left, right, lse2_c, delta_c, MODS, "
-                    "softcap2, cap_inv, slope2)", i=TM)
+        for i in range(TM):
+            grad += grad_lines(f"s{i}_{c}", f"dp{i}_{c}", "qi", f"k0 + ty * TM + {i}",
+                               "lse2_c", "delta_c", mods)
     acc = []
     for c in range(TN):
         acc += rep(f"pr{{i}} = shfl_sync(FULL_MASK, s{{i}}_{c}, base + t)", i=TM)
@@ -293,9 +275,11 @@ def make_dq(d_pad, dv_pad, mods):
         stats += [f"r{i} = q0 + ty * TM + {i}",
                   f"lse2_{i} = lse2[b, h, r{i}] if r{i} < n_q else POS_INF",
                   f"delta_{i} = delta[b, h, r{i}] if r{i} < n_q else ZERO"]
-    grad = rep("s{i}_{c}, dp{i}_{c} = grad_score(s{i}_{c}, dp{i}_{c}, r{i}, k0 + tx + {c8}, "
-               "n_q, kv_len, left, right, lse2_{i}, delta_{i}, MODS, softcap2, cap_inv, slope2)",
-               i=TM, c=TN)
+    grad = []
+    for i in range(TM):
+        for c in range(TN):
+            grad += grad_lines(f"s{i}_{c}", f"dp{i}_{c}", f"r{i}", f"k0 + tx + {8 * c}",
+                               f"lse2_{i}", f"delta_{i}", mods)
     acc = []
     for c in range(TN):
         acc += rep(f"gr{{i}} = shfl_sync(FULL_MASK, dp{{i}}_{c}, base + t)", i=TM)
@@ -307,7 +291,8 @@ def make_dq(d_pad, dv_pad, mods):
         store += [f"if r{i} < n_q:"]
         store += rep(f"    if tx + {{cc8}} < d: dq[b, h, r{i}, tx + {{cc8}}] = g{i}_{{cc}} * scale",
                      cc=CK)
-    source = expand(DQ, grad=grad, acc=acc, store=store, rows_stats=stats,
+    source = expand(DQ, band=[f"lo = {first_key('q0')}", f"hi = {last_key('q0 + rows - 1')}"],
+                    grad=grad, acc=acc, store=store, rows_stats=stats,
                     init=rep("g{i}_{cc} = ZERO", i=TM, cc=CK), **blocks)
     source = expand(source, common=[l.strip() for l in COMMON.strip().splitlines()])
     names = _names(TM=TM, BR=BR, BC=BC, NT=NT, DK=DK, DV=DV, MODS=mods, SK_R=DK * BR,
@@ -317,8 +302,7 @@ def make_dq(d_pad, dv_pad, mods):
 
 def _names(**consts):
     return {"cuda": cuda, "math": math, "shfl_sync": shfl_sync, "float32": float32,
-            "int64": int64, "first_key": first_key, "last_key": last_key,
-            "grad_score": grad_score, "FULL_MASK": FULL_MASK, "LN2": LN2, "POS_INF": POS_INF,
+            "int64": int64, "FULL_MASK": FULL_MASK, "LN2": LN2, "POS_INF": POS_INF,
             "ONE": ONE, "ZERO": ZERO, **consts}
 
 

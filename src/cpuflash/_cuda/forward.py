@@ -36,7 +36,7 @@ from .tiles import (
     forward_shape,
     last_key,
     pad8,
-    score,
+    score_lines,
     shared_size,
     shfl_sync,
     shfl_xor_sync,
@@ -78,10 +78,7 @@ def forward(q, k, v, scale2, left, right, kv_lens, softcap2, slopes2, out, lse):
         qs[c * BM + (r + c) % BM] = x
 
     # keys that some row of the block sees: [lo, hi] (the band is monotonic in the row)
-    lo = first_key(q0, n_q, kv_len, left)
-    hi = last_key(q0 + rows - 1, n_q, kv_len, right)
-    last_lo = last_key(q0, n_q, kv_len, right)              # the smallest last key
-    first_hi = first_key(q0 + rows - 1, n_q, kv_len, left)  # the largest first key
+    @band
     kb_lo = lo // BN
     kb_hi = hi // BN + 1 if hi >= lo else kb_lo
     @init
@@ -149,11 +146,15 @@ def make_forward(d_pad, dv_pad, mods):
         softmax += [f"row_sum += shfl_xor_sync(FULL_MASK, row_sum, {x})" for x in (1, 2, 4)]
         softmax += [f"l{i} = alpha * l{i} + row_sum", f"{m} = m_new"]
         softmax += rep(f"a{i}_{{cc}} *= alpha", cc=CV)
-    scores = rows + join(*(
-        [f"first{i} = first_key(r{i}, n_q, kv_len, left)",
-         f"last{i} = last_key(r{i}, n_q, kv_len, right)"] for i in range(TM)))
-    scores += rep("s{i}_{c} = score(s{i}_{c}, r{i}, k0 + tx + {c8}, off, first{i}, last{i}, "
-                  "edge, MODS, softcap2, cap_inv, slope2)", i=TM, c=TN)
+    scores = rows + join(*([f"first{i} = {first_key(f'r{i}')}", f"last{i} = {last_key(f'r{i}')}"]
+                           for i in range(TM)))
+    for i in range(TM):
+        for c in range(TN):
+            scores += score_lines(f"s{i}_{c}", f"r{i}", f"k0 + tx + {8 * c}", f"first{i}",
+                                  f"last{i}", mods)
+    band = [f"lo = {first_key('q0')}", f"hi = {last_key('q0 + rows - 1')}",
+            f"last_lo = {last_key('q0')}  # the smallest last key",
+            f"first_hi = {first_key('q0 + rows - 1')}  # the largest first key"]
     store = rows
     for i in range(TM):
         store += [f"if r{i} < n_q:",
@@ -171,7 +172,7 @@ def make_forward(d_pad, dv_pad, mods):
         s_step=rep("qr{i} = qs[kk * BM + (ty * TM + {i} + kk) % BM]", i=TM)
         + rep("kr{c} = kvs[kk * BN + (tx + {c8} + kk) % BN]", c=TN)
         + rep("s{i}_{c} += qr{i} * kr{c}", i=TM, c=TN),
-        scores=scores, softmax=softmax,
+        scores=scores, softmax=softmax, band=band,
         pv=join(*(rep(f"p{{i}} = shfl_sync(FULL_MASK, s{{i}}_{c}, base + t)", i=TM)
                   + join(*(rep(f"v{cc} = kvs[(t + {8 * c}) * DV + tx + {8 * cc}]")
                            + rep(f"a{{i}}_{cc} += p{{i}} * v{cc}", i=TM) for cc in range(CV)))
@@ -179,7 +180,6 @@ def make_forward(d_pad, dv_pad, mods):
         store=store)
     names = {"cuda": cuda, "math": math, "shfl_sync": shfl_sync,
              "shfl_xor_sync": shfl_xor_sync, "float32": float32, "int64": int64,
-             "first_key": first_key, "last_key": last_key, "score": score,
              "FULL_MASK": FULL_MASK, "LN2": LN2, "NEG_INF": NEG_INF, "ONE": ONE, "ZERO": ZERO,
              "TM": TM, "BM": BM, "BN": BN, "NT": NT, "DK": DK, "DV": DV, "Q_SIZE": Q_SIZE,
              "KV_SIZE": KV_SIZE, "MODS": mods}

@@ -67,46 +67,60 @@ def backward_shape(d_pad, dv_pad):
 MAX_HEAD_DIM = 256
 
 
-@cuda.jit(device=True, inline=True)
-def first_key(i, n_q, kv_len, left):
-    """The first key row ``i`` sees (bottom-right aligned band, as _cpu.masking.row_band)."""
-    return max(0, i + kv_len - n_q - left)
+def first_key(i):
+    """Source text: the first key row ``i`` sees (bottom-right aligned band, as
+    ``_cpu.masking.row_band``); the kernels define ``off = kv_len - n_q``, ``left``, ``right``."""
+    return f"max(0, {i} + off - left)"
 
 
-@cuda.jit(device=True, inline=True)
-def last_key(i, n_q, kv_len, right):
-    """The last key row ``i`` sees; below ``first_key`` when it sees none."""
-    return min(kv_len - 1, i + kv_len - n_q + right)
+def last_key(i):
+    """Source text: the last key row ``i`` sees; below ``first_key`` when it sees none."""
+    return f"min(kv_len - 1, {i} + off + right)"
 
 
-@cuda.jit(device=True, inline=True)
-def modify(x, rel, softcap2, inv_cap2, slope2):
-    """Softcap then ALiBi on one base-2 score ``x``; ``rel = i + off - j``. Returns the score
-    and ``tanh`` (for the backward pass; 0 without softcap)."""
-    t = ZERO
-    if softcap2 != ZERO:
-        t = math.tanh(x * inv_cap2)
-        x = softcap2 * t
-    if slope2 != ZERO:
-        x -= slope2 * float32(abs(rel))
-    return x, t
+def modify_lines(var, row, key, mods, tanh_var=None):
+    """Source lines: softcap then ALiBi on the base-2 score ``var`` of (row, key); with
+    ``tanh_var``, also keep ``tanh`` there for the backward pass."""
+    if not mods:
+        return []
+    lines = []
+    if tanh_var:
+        lines += [f"{tanh_var} = ZERO"]
+    lines += ["if softcap2 != ZERO:"]
+    if tanh_var:
+        lines += [f"    {tanh_var} = math.tanh({var} * cap_inv)",
+                  f"    {var} = softcap2 * {tanh_var}"]
+    else:
+        lines += [f"    {var} = softcap2 * math.tanh({var} * cap_inv)"]
+    lines += ["if slope2 != ZERO:", f"    {var} -= slope2 * float32(abs({row} + off - ({key})))"]
+    return lines
+
+
+def score_lines(var, row, key, first, last, mods):
+    """Source lines: the forward score of (row, key) after softcap and ALiBi, ``-inf`` outside
+    the row's band ``[first, last]`` (checked only on tiles that cross an edge: ``edge``)."""
+    return modify_lines(var, row, key, mods) + [
+        f"if edge and ({key} < {first} or {key} > {last}):", f"    {var} = NEG_INF"]
+
+
+def grad_lines(s, dp, row, key, lse2, delta, mods):
+    """Source lines: ``s`` becomes P (regenerated from ``lse2``) and ``dp`` becomes dS, the
+    gradient of the natural-unit score, of (row, key); both 0 outside the row's band."""
+    lines = modify_lines(s, row, key, mods, tanh_var="tt")
+    lines += [f"if {key} < {first_key(row)} or {key} > {last_key(row)}:",
+              f"    {s} = ZERO", f"    {dp} = ZERO",
+              "else:",
+              f"    {s} = math.exp2({s} - {lse2})",
+              f"    {dp} = {s} * ({dp} - {delta})"]
+    if mods:
+        lines += ["    if softcap2 != ZERO:", f"        {dp} *= ONE - tt * tt  # through c*tanh(s/c)"]
+    return lines
 
 
 def shared_size(*sizes):
     total = sum(sizes)
     assert total <= SHARED_FLOATS, sizes
     return total
-
-
-@cuda.jit(device=True, inline=True)
-def score(x, row, key, off, first, last, edge, mods, softcap2, cap_inv, slope2):
-    """The base-2 score of (row, key) after softcap and ALiBi (when ``mods``), ``-inf`` outside
-    the row's band ``[first, last]`` (checked only on tiles that cross an edge)."""
-    if mods:
-        x, _ = modify(x, row + off - key, softcap2, cap_inv, slope2)
-    if edge and (key < first or key > last):
-        x = NEG_INF
-    return x
 
 
 def signature(dtype, pattern):
