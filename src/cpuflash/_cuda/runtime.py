@@ -6,6 +6,12 @@ INSTALL_HINT = ('pip install "cpuflash[cuda]"  (NVIDIA\'s numba-cuda with the CU
 
 def load():
     """``numba.cuda`` from NVIDIA's numba-cuda package; ImportError with the install hint."""
+    import numpy as np
+    if not hasattr(np, "row_stack"):
+        # numba-cuda 0.30 registers an overload for np.row_stack when it first compiles;
+        # numpy 2.5 removed that alias of vstack (seen on the H200 machine: AttributeError at
+        # the first kernel compile). Restore the alias so the compile can proceed.
+        np.row_stack = np.vstack
     try:
         import numba_cuda  # noqa: F401  (the maintained package, not Numba's deprecated copy)
         from numba import cuda
