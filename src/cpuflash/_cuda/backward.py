@@ -96,14 +96,14 @@ def dkdv(q, k, v, dout, lse2, delta, scale2, left, right, kv_lens, softcap2, slo
         x = ZERO
         if k0 + j < k1 and c < d:
             x = float32(k[b, hk, k0 + j, c])
-        ks[c * BR + (j + c) % BR] = x
+        ks[c * BR + ((j + c) & (BR - 1))] = x
     for e in range(tid, BR * DV, NT):
         j = e // DV
         c = e % DV
         x = ZERO
         if k0 + j < k1 and c < d_v:
             x = float32(v[b, hk, k0 + j, c])
-        vs[c * BR + (j + c) % BR] = x
+        vs[c * BR + ((j + c) & (BR - 1))] = x
     # queries that see some key of [k0, k1): i + off - left <= k1 - 1, i + off + right >= k0
     i_lo = max(0, k0 - off - right)
     i_hi = min(n_q - 1, k1 - 1 - off + left)
@@ -121,14 +121,14 @@ def dkdv(q, k, v, dout, lse2, delta, scale2, left, right, kv_lens, softcap2, slo
                 x = ZERO
                 if i_lo <= q0 + r and q0 + r <= i_hi and c < d:
                     x = float32(q[b, h, q0 + r, c]) * scale2
-                qs[c * BC + (r + c) % BC] = x
+                qs[c * BC + ((r + c) & (BC - 1))] = x
             for e in range(tid, BC * DV, NT):
                 r = e // DV
                 c = e % DV
                 x = ZERO
                 if i_lo <= q0 + r and q0 + r <= i_hi and c < d_v:
                     x = float32(dout[b, h, q0 + r, c])
-                dos[c * BC + (r + c) % BC] = x
+                dos[c * BC + ((r + c) & (BC - 1))] = x
             cuda.syncthreads()
             @zero
             for kk in range(DK):  # S^T = K Q^T
@@ -165,14 +165,14 @@ def dq_kernel(q, k, v, dout, lse2, delta, scale2, left, right, kv_lens, softcap2
         x = ZERO
         if r < rows and c < d:
             x = float32(q[b, h, q0 + r, c]) * scale2
-        qs[c * BR + (r + c) % BR] = x
+        qs[c * BR + ((r + c) & (BR - 1))] = x
     for e in range(tid, BR * DV, NT):
         r = e // DV
         c = e % DV
         x = ZERO
         if r < rows and c < d_v:
             x = float32(dout[b, h, q0 + r, c])
-        dos[c * BR + (r + c) % BR] = x
+        dos[c * BR + ((r + c) & (BR - 1))] = x
     @rows_stats
     @band
     @init
@@ -185,14 +185,14 @@ def dq_kernel(q, k, v, dout, lse2, delta, scale2, left, right, kv_lens, softcap2
             x = ZERO
             if lo <= k0 + j and k0 + j <= hi and c < d:
                 x = float32(k[b, hk, k0 + j, c])
-            ks[c * BC + (j + c) % BC] = x
+            ks[c * BC + ((j + c) & (BC - 1))] = x
         for e in range(tid, BC * DV, NT):
             j = e // DV
             c = e % DV
             x = ZERO
             if lo <= k0 + j and k0 + j <= hi and c < d_v:
                 x = float32(v[b, hk, k0 + j, c])
-            vs[c * BC + (j + c) % BC] = x
+            vs[c * BC + ((j + c) & (BC - 1))] = x
         cuda.syncthreads()
         @zero
         for kk in range(DK):  # S = Q K^T
@@ -212,11 +212,11 @@ def _blocks(own, other, TM, TN, CK, CV):
     o_k, o_v, x_k, x_v = own + other  # e.g. ("ks", "vs", "qs", "dos")
     return {
         "zero": rep("s{i}_{c} = ZERO", i=TM, c=TN) + rep("dp{i}_{c} = ZERO", i=TM, c=TN),
-        "s_step": rep(f"ar{{i}} = {o_k}[kk * BR + (ty * TM + {{i}} + kk) % BR]", i=TM)
-        + rep(f"br{{c}} = {x_k}[kk * BC + (tx + {{c8}} + kk) % BC]", c=TN)
+        "s_step": rep(f"ar{{i}} = {o_k}[kk * BR + ((ty * TM + {{i}} + kk) & (BR - 1))]", i=TM)
+        + rep(f"br{{c}} = {x_k}[kk * BC + ((tx + {{c8}} + kk) & (BC - 1))]", c=TN)
         + rep("s{i}_{c} += ar{i} * br{c}", i=TM, c=TN),
-        "dp_step": rep(f"ar{{i}} = {o_v}[kk * BR + (ty * TM + {{i}} + kk) % BR]", i=TM)
-        + rep(f"br{{c}} = {x_v}[kk * BC + (tx + {{c8}} + kk) % BC]", c=TN)
+        "dp_step": rep(f"ar{{i}} = {o_v}[kk * BR + ((ty * TM + {{i}} + kk) & (BR - 1))]", i=TM)
+        + rep(f"br{{c}} = {x_v}[kk * BC + ((tx + {{c8}} + kk) & (BC - 1))]", c=TN)
         + rep("dp{i}_{c} += ar{i} * br{c}", i=TM, c=TN),
     }
 
@@ -240,11 +240,11 @@ def make_dkdv(d_pad, dv_pad, mods):
     for c in range(TN):
         acc += rep(f"pr{{i}} = shfl_sync(FULL_MASK, s{{i}}_{c}, base + t)", i=TM)
         acc += rep(f"gr{{i}} = shfl_sync(FULL_MASK, dp{{i}}_{c}, base + t)", i=TM)
-        for cc in range(CV):  # dV += P^T dO: dO[j, col] = dos[col * BC + (j + col) % BC]
-            acc += [f"x = dos[(tx + {8 * cc}) * BC + (t + {8 * c} + tx + {8 * cc}) % BC]"]
+        for cc in range(CV):  # dV += P^T dO: dO[j, col] = dos[col * BC + ((j + col) & (BC - 1))]
+            acc += [f"x = dos[(tx + {8 * cc}) * BC + ((t + {8 * c} + tx + {8 * cc}) & (BC - 1))]"]
             acc += rep(f"v{{i}}_{cc} += pr{{i}} * x", i=TM)
         for cc in range(CK):  # dK += dS^T Q
-            acc += [f"x = qs[(tx + {8 * cc}) * BC + (t + {8 * c} + tx + {8 * cc}) % BC]"]
+            acc += [f"x = qs[(tx + {8 * cc}) * BC + ((t + {8 * c} + tx + {8 * cc}) & (BC - 1))]"]
             acc += rep(f"g{{i}}_{cc} += gr{{i}} * x", i=TM)
     store = []
     for i in range(TM):
@@ -283,8 +283,8 @@ def make_dq(d_pad, dv_pad, mods):
     acc = []
     for c in range(TN):
         acc += rep(f"gr{{i}} = shfl_sync(FULL_MASK, dp{{i}}_{c}, base + t)", i=TM)
-        for cc in range(CK):  # dQ += dS K: K[j, col] = ks[col * BC + (j + col) % BC]
-            acc += [f"x = ks[(tx + {8 * cc}) * BC + (t + {8 * c} + tx + {8 * cc}) % BC]"]
+        for cc in range(CK):  # dQ += dS K: K[j, col] = ks[col * BC + ((j + col) & (BC - 1))]
+            acc += [f"x = ks[(tx + {8 * cc}) * BC + ((t + {8 * c} + tx + {8 * cc}) & (BC - 1))]"]
             acc += rep(f"g{{i}}_{cc} += gr{{i}} * x", i=TM)
     store = []
     for i in range(TM):

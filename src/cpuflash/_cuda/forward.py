@@ -31,6 +31,7 @@ from .tiles import (
     LOG2_E,
     NEG_INF,
     ONE,
+    SHARED_FLOATS,
     ZERO,
     first_key,
     forward_shape,
@@ -50,8 +51,8 @@ TEMPLATE = """
 def forward(q, k, v, scale2, left, right, kv_lens, softcap2, slopes2, out, lse):
     n_hq, n_q, d = q.shape[1], q.shape[2], q.shape[3]
     n_hkv, dv = k.shape[1], v.shape[3]
-    qs = cuda.shared.array(Q_SIZE, float32)    # Q^T, rotated rows: [c * BM + (r + c) % BM]
-    kvs = cuda.shared.array(KV_SIZE, float32)  # K^T (rotated) for S, then V for P @ V
+    qs = cuda.shared.array(Q_SIZE, float32)    # Q^T: [c * BM + r] (stored once: plain)
+    kvs = cuda.shared.array(KV_SIZE, float32)  # K^T [c * LDK + j] for S, then V for P @ V
     tid = int64(cuda.threadIdx.x)  # special registers are unsigned: mixed with int64
     #  they would promote to float64
     tx = tid % 8
@@ -75,7 +76,7 @@ def forward(q, k, v, scale2, left, right, kv_lens, softcap2, slopes2, out, lse):
         x = ZERO
         if r < rows and c < d:
             x = float32(q[b, h, q0 + r, c]) * scale2
-        qs[c * BM + (r + c) % BM] = x
+        qs[c * BM + r] = x
 
     # keys that some row of the block sees: [lo, hi] (the band is monotonic in the row)
     @band
@@ -92,7 +93,7 @@ def forward(q, k, v, scale2, left, right, kv_lens, softcap2, slopes2, out, lse):
             x = ZERO
             if lo <= k0 + j and k0 + j <= hi and c < d:  # unseen keys: 0, so NaN stays out
                 x = float32(k[b, hk, k0 + j, c])
-            kvs[c * BN + (j + c) % BN] = x
+            kvs[@kt_store] = x
         cuda.syncthreads()
 
         @zero_s
@@ -129,8 +130,17 @@ def make_forward(d_pad, dv_pad, mods):
     TY, TM, TN = forward_shape(d_pad, dv_pad)
     NT, BM, BN = 8 * TY, TY * TM, 8 * TN
     DK, DV, CV = d_pad, dv_pad, dv_pad // 8
-    Q_SIZE, KV_SIZE = DK * BM, max(DK * BN, BN * DV)
+    # K^T rows padded by one word when that fits (affine reads, conflict-free stores), else
+    # rotated by their column: [c * BN + ((j + c) & (BN - 1))]
+    LDK = BN + 1 if DK * BM + max(DK * (BN + 1), BN * DV) <= SHARED_FLOATS else BN
+    Q_SIZE, KV_SIZE = DK * BM, max(DK * LDK, BN * DV)
     shared_size(Q_SIZE, KV_SIZE)
+
+    def kt_read(c):
+        if LDK > BN:
+            return f"kk * LDK + tx + {8 * c}"
+        return f"kk * BN + ((tx + {8 * c} + kk) & (BN - 1))"
+    kt_store = "c * LDK + j" if LDK > BN else "c * BN + ((j + c) & (BN - 1))"
     rows = rep("r{i} = q0 + ty * TM + {i}", i=TM)
     softmax = []
     for i in range(TM):
@@ -169,20 +179,20 @@ def make_forward(d_pad, dv_pad, mods):
         init=rep("m{i} = NEG_INF", i=TM) + rep("l{i} = ZERO", i=TM)
         + rep("a{i}_{cc} = ZERO", i=TM, cc=CV),
         zero_s=rep("s{i}_{c} = ZERO", i=TM, c=TN),
-        s_step=rep("qr{i} = qs[kk * BM + (ty * TM + {i} + kk) % BM]", i=TM)
-        + rep("kr{c} = kvs[kk * BN + (tx + {c8} + kk) % BN]", c=TN)
+        s_step=rep("qr{i} = qs[kk * BM + ty * TM + {i}]", i=TM)
+        + [f"kr{c} = kvs[{kt_read(c)}]" for c in range(TN)]
         + rep("s{i}_{c} += qr{i} * kr{c}", i=TM, c=TN),
         scores=scores, softmax=softmax, band=band,
         pv=join(*(rep(f"p{{i}} = shfl_sync(FULL_MASK, s{{i}}_{c}, base + t)", i=TM)
                   + join(*(rep(f"v{cc} = kvs[(t + {8 * c}) * DV + tx + {8 * cc}]")
                            + rep(f"a{{i}}_{cc} += p{{i}} * v{cc}", i=TM) for cc in range(CV)))
                   for c in range(TN))),
-        store=store)
+        store=store).replace("@kt_store", kt_store)
     names = {"cuda": cuda, "math": math, "shfl_sync": shfl_sync,
              "shfl_xor_sync": shfl_xor_sync, "float32": float32, "int64": int64,
              "FULL_MASK": FULL_MASK, "LN2": LN2, "NEG_INF": NEG_INF, "ONE": ONE, "ZERO": ZERO,
              "TM": TM, "BM": BM, "BN": BN, "NT": NT, "DK": DK, "DV": DV, "Q_SIZE": Q_SIZE,
-             "KV_SIZE": KV_SIZE, "MODS": mods}
+             "KV_SIZE": KV_SIZE, "MODS": mods, "LDK": LDK}
     return build(source, "forward", names), NT, BM
 
 

@@ -113,7 +113,8 @@ def grad_lines(s, dp, row, key, lse2, delta, mods):
               f"    {s} = math.exp2({s} - {lse2})",
               f"    {dp} = {s} * ({dp} - {delta})"]
     if mods:
-        lines += ["    if softcap2 != ZERO:", f"        {dp} *= ONE - tt * tt  # through c*tanh(s/c)"]
+        lines += ["    if softcap2 != ZERO:",
+                  f"        {dp} *= ONE - tt * tt  # through c * tanh(s / c)"]
     return lines
 
 
