@@ -110,10 +110,10 @@ def test_ranks_and_strides():
     (x,) = rands((2, 9, 3, 8))
     q4 = x.transpose(0, 2, 1, 3)
     ref = reference.attention(q4, q4, q4, causal=True)
-    dev = cuda.to_device(x)
-    view = dev.transpose((0, 2, 1, 3)) if hasattr(dev, "transpose") else None
-    if view is not None and not SIMULATED:
-        out = cpuflash.attention(view, view, view, causal=True).copy_to_host()
+    if not SIMULATED:  # a transposed view of a (B, N, H, D) buffer, through torch
+        torch = pytest.importorskip("torch")
+        view = torch.from_numpy(x).cuda().transpose(1, 2)
+        out = cpuflash.attention(view, view, view, causal=True).cpu().numpy()
         np.testing.assert_allclose(out, ref, atol=2e-5)
     for sub in (q4[0], q4[0, 1]):
         ref = reference.attention(sub, sub, sub)

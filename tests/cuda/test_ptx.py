@@ -16,8 +16,8 @@ from cpuflash._cuda import backward, forward, tiles
 # one head dim per tile shape (tiles.forward_shape/backward_shape); softcap and ALiBi on,
 # the superset of the code
 CASES = [(64, np.float32), (16, np.float16), (128, np.float32), (256, np.float32)]
-if os.environ.get("CPUFLASH_PTX_QUICK") == "1":
-    CASES = CASES[:2]
+if os.environ.get("CPUFLASH_PTX_QUICK") == "1":  # CI: one shape class, the float16 loads
+    CASES = [(64, np.float16)]
 
 
 def _check(ptx):
