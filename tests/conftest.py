@@ -1,3 +1,5 @@
+import os
+
 import numpy as np
 import pytest
 
@@ -53,3 +55,8 @@ def assert_close_to_reference(out, ref, q, k, v, causal=False, scale=None, facto
     if out.dtype == np.float16:
         atol += float(np.max(np.abs(ref))) * np.finfo(np.float16).eps
     assert err <= factor * base + atol, f"error {err:.3g} vs naive {base:.3g} (atol {atol:.3g})"
+
+
+# tests/cuda runs in its own process (tests/test_cuda_path.py starts it, with the CUDA
+# simulator), so that numba.cuda and the simulator never load into the CPU tests' process.
+collect_ignore = [] if os.environ.get("CPUFLASH_CUDA_TESTS") else ["cuda"]

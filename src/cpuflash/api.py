@@ -12,7 +12,7 @@ __all__ = ["attention", "attention_backward", "attention_vjp", "merge", "set_num
 
 def attention(q, k, v, *, causal=False, scale=None, mask=None, window=None, kv_lens=None,
               alibi_slopes=None, softcap=None, dropout_p=0.0, seed=None, return_lse=False,
-              out=None, k_scale=None, v_scale=None):
+              out=None, k_scale=None, v_scale=None, device=None):
     """Exact softmax attention, ``softmax(scale * q @ k^T) @ v``, computed tile by tile.
 
     Parameters
@@ -47,10 +47,24 @@ def attention(q, k, v, *, causal=False, scale=None, mask=None, window=None, kv_l
     ``q`` (a half-size cache), or int8 with their scales (a quarter-size cache). The decode
     path (``Nq <= 16``) reads them in place and computes in float32.
 
+    device : None (from the arrays), "cpu" or "cuda". GPU arrays (anything with
+        ``__cuda_array_interface__``: numba device arrays, CuPy arrays, torch CUDA tensors) run
+        on the GPU through numba-cuda and return GPU arrays (see ``_cuda/dispatch.py``);
+        numpy arrays with ``device="cuda"`` are copied over and back.
+
     Any strides are accepted (transposed or broadcast views); float16 computes in float32.
     A row that sees no key gets output 0 (and ``lse = -inf``).
     """
     return_lse = _checks.flag("return_lse", return_lse)
+    if _on_cuda(q, device):
+        from ._cuda import dispatch
+        if k_scale is not None or v_scale is not None:
+            raise NotImplementedError("k_scale, v_scale: int8 K/V caches are not yet on the "
+                                      "CUDA path")
+        return dispatch.attention(q, k, v, causal=causal, scale=scale, mask=mask,
+                                  window=window, kv_lens=kv_lens, alibi_slopes=alibi_slopes,
+                                  softcap=softcap, dropout_p=dropout_p, seed=seed,
+                                  return_lse=return_lse, out=out, device=device)
     call = _prepare(q, k, v, causal, scale, mask, window, kv_lens, alibi_slopes, softcap,
                     dropout_p, seed, k_scale, v_scale)
     out_shape = q.shape[:-1] + (call.dv,)
@@ -74,6 +88,24 @@ def attention(q, k, v, *, causal=False, scale=None, mask=None, window=None, kv_l
     if return_lse:
         return result, lse.reshape(q.shape[:-1])
     return result
+
+
+def _on_cuda(q, device):
+    """Whether the call runs on the GPU: ``device="cuda"``, or ``q`` is a GPU array."""
+    if device not in (None, "cpu", "cuda"):
+        raise ValueError(f"device: expected None, 'cpu' or 'cuda', got {device!r}")
+    if device == "cuda":
+        return True
+    if isinstance(q, np.ndarray):
+        return False
+    # attribute checks only: no numba.cuda import
+    from ._cuda.arrays import is_gpu_array
+
+    on_gpu = is_gpu_array(q)
+    if on_gpu and device == "cpu":
+        raise TypeError("q: a GPU array with device='cpu'; copy it to numpy first, or leave "
+                        "device=None")
+    return on_gpu
 
 
 def _compute_dtype(dtype):
@@ -125,7 +157,7 @@ def _prepare(q, k, v, causal, scale, mask, window, kv_lens, alibi_slopes, softca
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, mask=None,
                        window=None, kv_lens=None, alibi_slopes=None, softcap=None,
-                       dropout_p=0.0, seed=None):
+                       dropout_p=0.0, seed=None, device=None):
     """Gradients ``(dq, dk, dv)`` of attention, from the forward pass's ``out`` and ``lse``.
 
     ``dout`` is the gradient of the loss with respect to ``out``; ``out, lse`` are what
@@ -135,7 +167,14 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, mas
     Probabilities are recomputed tile by tile from ``lse`` (memory O(N)).
     Returns arrays shaped and typed like ``q``, ``k``, ``v`` (C-contiguous). For GQA, dk/dv
     sum over the query heads of each group. Bitwise the same for any thread count.
+    GPU arrays (or ``device="cuda"``) run on the GPU, as in ``attention``.
     """
+    if _on_cuda(q, device):
+        from ._cuda import dispatch
+        return dispatch.attention_backward(
+            dout, q, k, v, out, lse, causal=causal, scale=scale, mask=mask, window=window,
+            kv_lens=kv_lens, alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p,
+            seed=seed, device=device)
     call = _prepare(q, k, v, causal, scale, mask, window, kv_lens, alibi_slopes, softcap,
                     dropout_p, seed, cache_formats=False)
     out_shape = q.shape[:-1] + (call.dv,)
@@ -150,11 +189,13 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, mas
 
 
 def attention_vjp(q, k, v, dout, *, causal=False, scale=None, mask=None, window=None,
-                  kv_lens=None, alibi_slopes=None, softcap=None, dropout_p=0.0, seed=None):
+                  kv_lens=None, alibi_slopes=None, softcap=None, dropout_p=0.0, seed=None,
+                  device=None):
     """Forward and backward in one call: returns ``(out, dq, dk, dv)``, the output and the
     vector-Jacobian product of attention with the cotangent ``dout``."""
     opts = dict(causal=causal, scale=scale, mask=mask, window=window, kv_lens=kv_lens,
-                alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p, seed=seed)
+                alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p, seed=seed,
+                device=device)
     out, lse = attention(q, k, v, return_lse=True, **opts)
     dq, dk, dv = attention_backward(dout, q, k, v, out, lse, **opts)
     return out, dq, dk, dv

@@ -1,0 +1,135 @@
+"""GPU benchmark: cpuflash's numba.cuda kernels against torch SDPA on the same GPU.
+
+    python bench/cuda_bench.py [--n 1024,4096,16384] [--d 64,128] [--dtype float32,float16]
+                               [--section fwd,fwdbwd] [--memory] [--json PATH]
+
+B=4, H=16 by default. TFLOP/s count 4*B*H*N^2*D for the forward pass and 3.5x that for
+forward+backward, halved for causal (useful work only). Times: CUDA events, median of
+repeats after a warm-up call (which compiles the kernels). torch runs its "efficient" kernel
+for float32 and its flash kernel for float16 (forced through ``sdpa_kernel``). Not collected
+by pytest (the file name does not start with ``test_``).
+"""
+import argparse
+import json
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import cpuflash
+
+
+def timed(fn, reps):
+    fn()  # warm-up: compiles on the first call
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return float(np.median(times))
+
+
+def backend(dtype):
+    return SDPBackend.EFFICIENT_ATTENTION if dtype == torch.float32 else SDPBackend.FLASH_ATTENTION
+
+
+def run_case(b, h, n, d, causal, dtype, section, reps):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, dout = (torch.randn(b, h, n, d, device="cuda", dtype=dtype, generator=gen)
+                     for _ in range(4))
+    flops = 4 * b * h * n * n * d / (2 if causal else 1) * (3.5 if section == "fwdbwd" else 1)
+    with sdpa_kernel(backend(dtype)):
+        ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    out = cpuflash.attention(q, k, v, causal=causal)
+    err = (out.float() - ref.float()).abs().max().item()
+    if section == "fwd":
+        ours = timed(lambda: cpuflash.attention(q, k, v, causal=causal), reps)
+
+        def theirs():
+            with sdpa_kernel(backend(dtype)):
+                F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    else:
+        def ours_fn():
+            o, lse = cpuflash.attention(q, k, v, causal=causal, return_lse=True)
+            cpuflash.attention_backward(dout, q, k, v, o, lse, causal=causal)
+        ours = timed(ours_fn, reps)
+        qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+
+        def theirs():
+            with sdpa_kernel(backend(dtype)):
+                o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
+            o.backward(dout)
+    t_torch = timed(theirs, reps)
+    return {"B": b, "H": h, "N": n, "D": d, "causal": causal, "dtype": str(dtype).split(".")[-1],
+                "section": section, "ms": ours * 1e3, "tflops": flops / ours / 1e12,
+                "torch_ms": t_torch * 1e3, "torch_tflops": flops / t_torch / 1e12,
+                "ratio": t_torch / ours, "max_err_vs_torch": err}
+
+
+def memory_check(n=65536, h=16, d=64):
+    """GPU memory of one forward at B=1: free memory before and after (out and lse stay
+    allocated; the kernels allocate nothing else), next to what an N x N score matrix of
+    float32 per head would take."""
+    from numba import cuda
+    q, k, v = (torch.randn(1, h, n, d, device="cuda") for _ in range(3))
+    torch.cuda.synchronize()
+    ctx = cuda.current_context()
+    free0 = ctx.get_memory_info()[0]
+    out, lse = cpuflash.attention(q, k, v, causal=True, return_lse=True)
+    torch.cuda.synchronize()
+    used = free0 - ctx.get_memory_info()[0]
+    return {"N": n, "H": h, "D": d, "used_MiB": used / 2**20,
+                "out_plus_lse_MiB": (out.numel() * 4 + lse.numel() * 4) / 2**20,
+                "scores_would_be_GiB": h * n * n * 4 / 2**30}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--b", type=int, default=4)
+    p.add_argument("--h", type=int, default=16)
+    p.add_argument("--n", default="1024,4096,16384")
+    p.add_argument("--d", default="64,128")
+    p.add_argument("--dtype", default="float32,float16")
+    p.add_argument("--causal", default="0,1")
+    p.add_argument("--section", default="fwd,fwdbwd")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--memory", action="store_true")
+    p.add_argument("--json")
+    a = p.parse_args()
+    rows = []
+    print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print("| section | dtype | N | D | causal | ms | TFLOP/s | torch ms | torch TFLOP/s | x torch "
+          "| max err vs torch |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for section in a.section.split(","):
+        for dt in a.dtype.split(","):
+            for d in map(int, a.d.split(",")):
+                for causal in (c == "1" for c in a.causal.split(",")):
+                    for n in map(int, a.n.split(",")):
+                        t0 = time.time()
+                        r = run_case(a.b, a.h, n, d, causal, getattr(torch, dt), section,
+                                     a.reps if n < 16384 else max(2, a.reps // 2))
+                        rows.append(r)
+                        print(f"| {section} | {r['dtype']} | {n} | {d} | "
+                              f"{'yes' if causal else 'no'} | {r['ms']:.2f} | "
+                              f"{r['tflops']:.1f} | {r['torch_ms']:.2f} | "
+                              f"{r['torch_tflops']:.1f} | {r['ratio']:.2f} | "
+                              f"{r['max_err_vs_torch']:.1e} |  ({time.time() - t0:.0f} s)",
+                              flush=True)
+    if a.memory:
+        m = memory_check()
+        rows.append(m)
+        print("memory:", m)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

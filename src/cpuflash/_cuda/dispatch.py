@@ -1,0 +1,158 @@
+"""The CUDA path of ``attention`` and ``attention_backward``: checks, defaults, launches.
+
+Inputs: GPU arrays (``__cuda_array_interface__``), read in place with any strides; or numpy
+arrays with ``device="cuda"``, copied over and back. Results: device arrays of the caller's
+kind (torch tensors for torch, CuPy arrays for CuPy, numba device arrays otherwise), or numpy
+for numpy inputs. The scalar options go through the same checks as the CPU path
+(``masks.band``, ``masks.modifiers``, ``_checks.scale``).
+"""
+import numpy as np
+
+from .. import _checks, masks
+from . import arrays
+from .runtime import require_device
+from .tiles import MAX_HEAD_DIM
+
+GPU_DTYPES = (np.dtype(np.float16), np.dtype(np.float32))
+
+
+def _array(name, x):
+    dtype = np.dtype(x.dtype)
+    if dtype == np.float64:
+        raise NotImplementedError(f"{name}: float64 is not yet on the CUDA path (float16 and "
+                                  "float32 are; or use the CPU path with numpy arrays)")
+    if dtype not in GPU_DTYPES:
+        raise TypeError(f"{name}: expected dtype float16 or float32, got {dtype}")
+    if x.ndim not in (2, 3, 4):
+        raise ValueError(f"{name}: expected 2-D (N, D), 3-D (H, N, D) or 4-D (B, H, N, D), "
+                         f"got {x.ndim}-D with shape {tuple(x.shape)}")
+
+
+def _host(name, x):
+    """Small option arrays (kv_lens, alibi_slopes) given on the GPU: read back (B or H values)."""
+    if x is not None and not isinstance(x, np.ndarray) and arrays.is_gpu_array(x):
+        return arrays.device_view(x).copy_to_host()
+    return x
+
+
+def _inputs(named, device):
+    """Device views of the arrays in ``named`` (name -> array) and the result kind."""
+    first = next(iter(named.values()))
+    on_gpu = arrays.is_gpu_array(first)
+    if not on_gpu and device != "cuda":
+        raise TypeError("device: the CUDA path takes GPU arrays, or numpy arrays with "
+                        "device='cuda'")
+    views = {}
+    for name, x in named.items():
+        if arrays.is_gpu_array(x) != on_gpu:
+            where = "a GPU array" if on_gpu else "a numpy array"
+            raise TypeError(f"{name}: expected {where} like {next(iter(named))}, got "
+                            f"{type(x).__name__}")
+        if on_gpu:
+            views[name] = arrays.device_view(x)
+        else:
+            if not isinstance(x, np.ndarray):
+                raise TypeError(f"{name}: expected a numpy.ndarray, got {type(x).__name__}")
+            views[name] = x
+    kind = arrays.kind_of(first)
+    return views, kind
+
+
+def _upload(views):
+    cuda = require_device()
+    return {n: x if not isinstance(x, np.ndarray) else cuda.to_device(np.ascontiguousarray(x))
+            for n, x in views.items()}
+
+
+def _options(q, k, v, causal, scale, mask, window, kv_lens, alibi_slopes, softcap, dropout_p,
+             seed):
+    """Checked shapes and options: ``(dv, scale, band, mods)``; what the CUDA path lacks
+    raises NotImplementedError."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _array(name, x)
+    _checks.same_rank(q=q, k=k, v=v)
+    _checks.same_dtype(q=q, k=k, v=v)
+    causal = _checks.flag("causal", causal)
+    shape4 = [(1,) * (4 - x.ndim) + tuple(x.shape) for x in (q, k, v)]
+    n_b, n_hq, _, _n_q, n_k, d, dv = _checks.qkv_shapes(*(_Shape(s) for s in shape4))
+    if max(d, dv) > MAX_HEAD_DIM:
+        raise NotImplementedError(f"q, v: head dims up to {MAX_HEAD_DIM} on the CUDA path, got "
+                                  f"D={d}, Dv={dv} (the CPU path takes any)")
+    band = masks.band(causal, window, _host("kv_lens", kv_lens), n_b, n_k)
+    mods = masks.modifiers(softcap, _host("alibi_slopes", alibi_slopes), n_b, n_hq)
+    drop = masks.dropout(dropout_p, seed)
+    if mask is not None:
+        raise NotImplementedError("mask: a bool/float mask is not yet on the CUDA path "
+                                  "(causal, window, kv_lens, alibi_slopes and softcap are)")
+    if drop[0]:
+        raise NotImplementedError("dropout_p: dropout is not yet on the CUDA path")
+    return dv, _checks.scale(scale, d), band, mods
+
+
+class _Shape:
+    def __init__(self, shape):
+        self.shape = shape
+
+
+def attention(q, k, v, *, causal, scale, mask, window, kv_lens, alibi_slopes, softcap,
+              dropout_p, seed, return_lse, out, device):
+    from .forward import run_forward
+    views, kind = _inputs({"q": q, "k": k, "v": v}, device)
+    dv, scale, band, mods = _options(views["q"], views["k"], views["v"], causal, scale, mask,
+                                     window, kv_lens, alibi_slopes, softcap, dropout_p, seed)
+    cuda = require_device()
+    views = _upload(views)
+    qd = views["q"]
+    out_shape = tuple(q.shape[:-1]) + (dv,)
+    if out is not None:
+        if kind == "numpy":
+            _checks.out_array(out, out_shape, np.dtype(qd.dtype))
+            out_dev = cuda.device_array(out_shape, dtype=qd.dtype)
+        else:
+            out_dev = arrays.device_view(out)
+            _matches("out", out_dev, out_shape, np.dtype(qd.dtype))
+    else:
+        out_dev = cuda.device_array(out_shape, dtype=qd.dtype)
+    lse_dev = cuda.device_array(tuple(q.shape[:-1]), dtype=np.float32)
+    run_forward(*(arrays.as_4d(views[n]) for n in "qkv"), scale, band, mods,
+                arrays.as_4d(out_dev), arrays.as_nd(lse_dev, 3))
+    if out is not None and kind == "numpy":
+        out[...] = out_dev.copy_to_host()
+        result = out
+    elif out is not None:
+        result = out
+    else:
+        result = arrays.to_caller(out_dev, kind)
+    if return_lse:
+        return result, arrays.to_caller(lse_dev, kind)
+    return result
+
+
+def _matches(name, x, shape, dtype):
+    """A companion array (out, dout, lse) must have exactly this shape and dtype."""
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(x.shape)}")
+    if np.dtype(x.dtype) != dtype:
+        raise TypeError(f"{name}: expected dtype {np.dtype(dtype)}, got {np.dtype(x.dtype)}")
+
+
+def attention_backward(dout, q, k, v, out, lse, *, causal, scale, mask, window, kv_lens,
+                       alibi_slopes, softcap, dropout_p, seed, device):
+    from .backward import run_backward
+    views, kind = _inputs({"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse},
+                          device)
+    dv, scale, band, mods = _options(views["q"], views["k"], views["v"], causal, scale, mask,
+                                     window, kv_lens, alibi_slopes, softcap, dropout_p, seed)
+    qd = views["q"]
+    out_shape = tuple(q.shape[:-1]) + (dv,)
+    for name in ("dout", "out"):
+        _matches(name, views[name], out_shape, np.dtype(qd.dtype))
+    _matches("lse", views["lse"], tuple(q.shape[:-1]), np.dtype(np.float32))
+    cuda = require_device()
+    views = _upload(views)
+    grads = [cuda.device_array(tuple(x.shape), dtype=x.dtype)
+             for x in (views["q"], views["k"], views["v"])]
+    run_backward(*(arrays.as_4d(views[n]) for n in ("dout", "q", "k", "v", "out")),
+                 arrays.as_nd(views["lse"], 3), scale, band, mods,
+                 *(arrays.as_4d(g) for g in grads))
+    return tuple(arrays.to_caller(g, kind) for g in grads)

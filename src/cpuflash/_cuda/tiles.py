@@ -1,0 +1,169 @@
+"""Tile shapes and the device helpers shared by the forward and backward kernels.
+
+Thread layout of every kernel: ``8 * TY`` threads; thread ``t`` has ``tx = t % 8`` and
+``ty = t // 8``. A tile of scores (``TY * TM`` "own" rows by ``8 * TN`` columns) is held in
+registers, ``TM x TN`` per thread: rows ``ty * TM + i`` and columns ``tx + 8 * c`` (strided,
+so the 8 threads of a row read 8 consecutive shared-memory words). The 8 threads of a row
+group sit in one warp, so row max and row sum are three ``shfl_xor`` steps, and a product
+``P @ V`` gets each ``P[i, j]`` from the thread that holds it by ``shfl_sync`` (no P tile in
+shared memory).
+
+Shared memory holds tiles transposed (``[dim][row]``) so that the inner product loops read
+one word per row across the threads; a row is stored rotated by its column,
+``[c * ld + ((r + c) % ld)]``, so that both the transposing stores and the reads are free of
+bank conflicts without padding (the static 48 KiB of shared memory is the limit: at D = 128
+the tiles fill it exactly).
+"""
+import math
+
+import numpy as np
+from numba import float32
+
+from .runtime import load, simulated
+
+cuda = load()
+
+LOG2_E = np.float32(1.0 / math.log(2.0))
+LN2 = np.float32(math.log(2.0))
+NEG_INF = np.float32(-np.inf)  # a float32 constant: a bare -math.inf makes float64 code
+POS_INF = np.float32(np.inf)
+ZERO = np.float32(0.0)
+ONE = np.float32(1.0)
+FULL_MASK = 0xFFFFFFFF
+UNBOUNDED = 1 << 40  # as _cpu.masking.UNBOUNDED: a window side with no limit
+
+SHARED_FLOATS = 12288  # 48 KiB of float32: the most a kernel may hold statically
+
+
+def pad8(n):
+    return max(8, -(-n // 8) * 8)
+
+
+def forward_shape(d_pad, dv_pad):
+    """``(TY, TM, TN)`` for the forward kernel: rows ``16 * TM`` per block, keys ``8 * TN``."""
+    width = max(d_pad, dv_pad)
+    if simulated():
+        return 4, 1, 1    # 4 x 8: one warp, so the simulator's threads stay few
+    if width <= 64:
+        return 16, 4, 8   # 64 query rows x 64 keys
+    if width <= 128:
+        return 16, 4, 4   # 64 x 32
+    return 16, 2, 2       # 32 x 16 (D up to 256)
+
+
+def backward_shape(d_pad, dv_pad):
+    """``(TY, TM, TN)`` for the backward kernels: ``16 * TM`` owned rows (keys in the dK/dV
+    kernel, queries in the dQ kernel) by ``8 * TN`` of the other side."""
+    width = max(d_pad, dv_pad)
+    if simulated():
+        return 4, 1, 1
+    if width <= 64:
+        return 16, 4, 4   # 64 x 32
+    if width <= 128:
+        return 16, 2, 2   # 32 x 16
+    return 16, 1, 1       # 16 x 8
+
+
+MAX_HEAD_DIM = 256
+
+
+def first_key(i):
+    """Source text: the first key row ``i`` sees (bottom-right aligned band, as
+    ``_cpu.masking.row_band``); the kernels define ``off = kv_len - n_q``, ``left``, ``right``."""
+    return f"max(0, {i} + off - left)"
+
+
+def last_key(i):
+    """Source text: the last key row ``i`` sees; below ``first_key`` when it sees none."""
+    return f"min(kv_len - 1, {i} + off + right)"
+
+
+def modify_lines(var, row, key, mods, tanh_var=None):
+    """Source lines: softcap then ALiBi on the base-2 score ``var`` of (row, key); with
+    ``tanh_var``, also keep ``tanh`` there for the backward pass."""
+    if not mods:
+        return []
+    lines = []
+    if tanh_var:
+        lines += [f"{tanh_var} = ZERO"]
+    lines += ["if softcap2 != ZERO:"]
+    if tanh_var:
+        lines += [f"    {tanh_var} = math.tanh({var} * cap_inv)",
+                  f"    {var} = softcap2 * {tanh_var}"]
+    else:
+        lines += [f"    {var} = softcap2 * math.tanh({var} * cap_inv)"]
+    lines += ["if slope2 != ZERO:", f"    {var} -= slope2 * float32(abs({row} + off - ({key})))"]
+    return lines
+
+
+def score_lines(var, row, key, first, last, mods):
+    """Source lines: the forward score of (row, key) after softcap and ALiBi, ``-inf`` outside
+    the row's band ``[first, last]`` (checked only on tiles that cross an edge: ``edge``)."""
+    return modify_lines(var, row, key, mods) + [
+        f"if edge and ({key} < {first} or {key} > {last}):", f"    {var} = NEG_INF"]
+
+
+def grad_lines(s, dp, row, key, lse2, delta, mods):
+    """Source lines: ``s`` becomes P (regenerated from ``lse2``) and ``dp`` becomes dS, the
+    gradient of the natural-unit score, of (row, key); both 0 outside the row's band."""
+    lines = modify_lines(s, row, key, mods, tanh_var="tt")
+    lines += [f"if {key} < {first_key(row)} or {key} > {last_key(row)}:",
+              f"    {s} = ZERO", f"    {dp} = ZERO",
+              "else:",
+              f"    {s} = math.exp2({s} - {lse2})",
+              f"    {dp} = {s} * ({dp} - {delta})"]
+    if mods:
+        lines += ["    if softcap2 != ZERO:",
+                  f"        {dp} *= ONE - tt * tt  # through c * tanh(s / c)"]
+    return lines
+
+
+def shared_size(*sizes):
+    total = sum(sizes)
+    assert total <= SHARED_FLOATS, sizes
+    return total
+
+
+def signature(dtype, pattern):
+    """Numba argument types from a pattern string, one letter per argument: ``X`` a 4-D array
+    of ``dtype``, ``L`` a 3-D float32 array, ``S`` a 2-D float32 array, ``I`` a 1-D int64
+    array, ``f`` float32, ``i`` int64. Arrays are typed layout ``A``: one compiled kernel
+    takes contiguous and strided views alike (each layout would otherwise compile anew)."""
+    from numba.core import types
+    from numba.np import numpy_support
+    dt = numpy_support.from_dtype(np.dtype(dtype))
+    table = {"X": types.Array(dt, 4, "A"), "L": types.Array(float32, 3, "A"),
+             "S": types.Array(float32, 2, "A"), "I": types.Array(types.int64, 1, "A"),
+             "f": float32, "i": types.int64}
+    return tuple(table[c] for c in pattern)
+
+
+FORWARD_ARGS = "XXXfiiIfSXL"
+DKDV_ARGS = "XXXXLLfiiIfSXX"
+DQ_ARGS = "XXXXLLfiiIfSfX"
+PREP_ARGS = "XXLLL"
+
+
+if simulated():
+    # The simulator has no warp shuffles: exchange through a block-wide buffer between two
+    # barriers. Every thread of the block calls the shuffles in the same order (the kernels'
+    # control flow around them is uniform), which is what this needs.
+    @cuda.jit(device=True)
+    def _exchange(value, src_lane):
+        buf = cuda.shared.array(1024, float32)
+        tid = cuda.threadIdx.x
+        cuda.syncthreads()
+        buf[tid] = value
+        cuda.syncthreads()
+        return buf[tid - tid % 32 + src_lane]
+
+    @cuda.jit(device=True)
+    def shfl_sync(mask, value, src_lane):
+        return _exchange(value, src_lane)
+
+    @cuda.jit(device=True)
+    def shfl_xor_sync(mask, value, lane_mask):
+        return _exchange(value, (cuda.threadIdx.x % 32) ^ lane_mask)
+else:
+    shfl_sync = cuda.shfl_sync
+    shfl_xor_sync = cuda.shfl_xor_sync

@@ -1,0 +1,194 @@
+"""The CUDA path against the float64 reference: the features of the CPU path, float32 and
+float16, GPU arrays in and out. Tiny shapes in the simulator (its tiles are 4 x 8, so these
+still cross tile edges); larger ones on a GPU with CPUFLASH_CUDA_BIG=1."""
+import numpy as np
+import pytest
+from cuda_env import BIG, SIMULATED, cuda
+
+import cpuflash
+from cpuflash import reference
+
+# (B, Hq, Hkv, Nq, Nk, D, Dv)
+SHAPES = [(1, 2, 1, 5, 7, 8, 8), (2, 2, 2, 9, 3, 5, 6)]
+if BIG:
+    SHAPES += [(1, 1, 1, 1, 11, 8, 8)]
+    SHAPES += [(2, 4, 2, 130, 257, 64, 64), (1, 2, 2, 200, 100, 128, 128),
+               (1, 2, 1, 67, 67, 256, 256), (1, 2, 2, 97, 131, 40, 72)]
+
+
+def rands(*shapes, dtype=np.float32, seed=1):
+    rng = np.random.default_rng(seed)
+    return tuple(rng.standard_normal(s).astype(dtype) for s in shapes)
+
+
+def qkv(shape, dtype=np.float32, seed=1):
+    n_b, n_hq, n_hkv, n_q, n_k, d, dv = shape
+    return rands((n_b, n_hq, n_q, d), (n_b, n_hkv, n_k, d), (n_b, n_hkv, n_k, dv),
+                 dtype=dtype, seed=seed)
+
+
+def on_gpu(*xs):
+    return tuple(cuda.to_device(np.ascontiguousarray(x)) for x in xs)
+
+
+def tol(dtype, ref):
+    scale = max(1.0, float(np.max(np.abs(ref)))) if ref.size else 1.0
+    return (2e-5 if dtype == np.float32 else 4e-3) * scale
+
+
+OPTIONS = [{}, {"causal": True}, {"window": (3, 1)}, {"causal": True, "window": (2, None)},
+           {"softcap": 2.0}, {"alibi": True}, {"kv_lens": True, "causal": True},
+           {"scale": 0.3}]
+
+
+def _opts(opt, shape):
+    opt = dict(opt)
+    if opt.pop("alibi", False):
+        opt["alibi_slopes"] = np.linspace(0.1, 0.7, shape[1])
+    if opt.pop("kv_lens", False):
+        opt["kv_lens"] = np.arange(shape[0], dtype=np.int64) % (shape[4] + 1)
+    return opt
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("opt", OPTIONS, ids=str)
+def test_forward(shape, opt):
+    opts = _opts(opt, shape)
+    q, k, v = qkv(shape)
+    out, lse = cpuflash.attention(*on_gpu(q, k, v), return_lse=True, **opts)
+    ref, ref_lse = reference.attention(q, k, v, return_lse=True, **opts)
+    out, lse = out.copy_to_host(), lse.copy_to_host()
+    assert out.dtype == np.float32 and lse.dtype == np.float32
+    np.testing.assert_allclose(out, ref, atol=tol(np.float32, ref), rtol=0)
+    finite = np.isfinite(ref_lse)
+    np.testing.assert_array_equal(np.isfinite(lse), finite)
+    np.testing.assert_allclose(lse[finite], ref_lse[finite], atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("shape", SHAPES[:1] + SHAPES[3:], ids=str)
+@pytest.mark.parametrize("opt", [{}, {"causal": True, "softcap": 1.5, "alibi": True}], ids=str)
+def test_float16(shape, opt):
+    opts = _opts(opt, shape)
+    q, k, v = qkv(shape, np.float16)
+    out = cpuflash.attention(*on_gpu(q, k, v), **opts).copy_to_host()
+    ref = reference.attention(q, k, v, **opts)
+    assert out.dtype == np.float16
+    np.testing.assert_allclose(out, ref, atol=tol(np.float16, ref), rtol=0)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("opt", [{"causal": True}, {"window": (2, 1), "kv_lens": True},
+                                 {"softcap": 1.5, "alibi": True, "causal": True}], ids=str)
+def test_backward(shape, opt):
+    opts = _opts(opt, shape)
+    q, k, v = qkv(shape)
+    (dout,) = rands(q.shape[:-1] + (v.shape[-1],), seed=7)
+    gq, gk, gv, gdo = on_gpu(q, k, v, dout)
+    out, lse = cpuflash.attention(gq, gk, gv, return_lse=True, **opts)
+    grads = cpuflash.attention_backward(gdo, gq, gk, gv, out, lse, **opts)
+    refs = reference.attention_backward(dout, q, k, v, **opts)
+    for name, g, r in zip(("dq", "dk", "dv"), grads, refs):
+        g = g.copy_to_host()
+        assert g.shape == r.shape and g.dtype == np.float32, name
+        np.testing.assert_allclose(g, r, atol=5 * tol(np.float32, r), rtol=0, err_msg=name)
+
+
+def test_backward_float16():
+    shape = SHAPES[-1] if BIG else SHAPES[0]
+    q, k, v = qkv(shape, np.float16)
+    (dout,) = rands(q.shape[:-1] + (v.shape[-1],), dtype=np.float16, seed=7)
+    out, lse = cpuflash.attention(q, k, v, return_lse=True, causal=True, device="cuda")
+    grads = cpuflash.attention_backward(dout, q, k, v, out, lse, causal=True, device="cuda")
+    refs = reference.attention_backward(dout, q, k, v, causal=True)
+    for g, r in zip(grads, refs):
+        assert isinstance(g, np.ndarray) and g.dtype == np.float16
+        np.testing.assert_allclose(g, r, atol=1e-2 * max(1.0, np.abs(r).max()), rtol=0)
+
+
+def test_ranks_and_strides():
+    """2-D and 3-D inputs, and transposed views of a (B, N, H, D) buffer, read in place."""
+    (x,) = rands((2, 9, 3, 8))
+    q4 = x.transpose(0, 2, 1, 3)
+    ref = reference.attention(q4, q4, q4, causal=True)
+    if not SIMULATED:  # a transposed view of a (B, N, H, D) buffer, through torch
+        torch = pytest.importorskip("torch")
+        view = torch.from_numpy(x).cuda().transpose(1, 2)
+        out = cpuflash.attention(view, view, view, causal=True).cpu().numpy()
+        np.testing.assert_allclose(out, ref, atol=2e-5)
+    for sub in (q4[0], q4[0, 1]):
+        ref = reference.attention(sub, sub, sub)
+        out = cpuflash.attention(*on_gpu(sub, sub, sub))
+        assert out.shape == ref.shape
+        np.testing.assert_allclose(out.copy_to_host(), ref, atol=2e-5)
+        out_np, lse = cpuflash.attention(sub, sub, sub, device="cuda", return_lse=True)
+        assert isinstance(out_np, np.ndarray) and lse.shape == sub.shape[:-1]
+
+
+def test_rows_that_see_nothing():
+    q, k, v = qkv((2, 1, 1, 6, 5, 8, 8))
+    kv_lens = np.array([0, 3])
+    out, lse = cpuflash.attention(*on_gpu(q, k, v), kv_lens=kv_lens, window=(0, 0),
+                                  return_lse=True)
+    ref, ref_lse = reference.attention(q, k, v, kv_lens=kv_lens, window=(0, 0), return_lse=True)
+    out = out.copy_to_host()
+    assert not np.isnan(out).any()
+    np.testing.assert_allclose(out, ref, atol=2e-5)
+    np.testing.assert_array_equal(lse.copy_to_host() == -np.inf, ref_lse == -np.inf)
+
+
+def test_out_and_empty():
+    q, k, v = qkv((1, 2, 1, 5, 7, 8, 8))
+    out = cuda.device_array(q.shape, dtype=np.float32)
+    got = cpuflash.attention(*on_gpu(q, k, v), out=out)
+    assert got is out
+    np.testing.assert_allclose(out.copy_to_host(), reference.attention(q, k, v), atol=2e-5)
+    empty = cpuflash.attention(*on_gpu(q[:, :, :0], k, v))
+    assert empty.shape == (1, 2, 0, 8)
+    none = cpuflash.attention(*on_gpu(q, k[:, :, :0], v[:, :, :0])).copy_to_host()
+    assert (none == 0).all()
+
+
+@pytest.mark.parametrize("kwargs, error", [
+    ({"mask": np.ones((5, 7), bool)}, NotImplementedError),
+    ({"dropout_p": 0.1, "seed": 1}, NotImplementedError),
+    ({"window": (-2, 0)}, ValueError),
+    ({"scale": float("nan")}, ValueError),
+    ({"device": "tpu"}, ValueError),
+])
+def test_errors(kwargs, error):
+    q, k, v = qkv((1, 2, 1, 5, 7, 8, 8))
+    with pytest.raises(error):
+        cpuflash.attention(*on_gpu(q, k, v), **kwargs)
+
+
+def test_dtype_errors():
+    q, k, v = qkv((1, 1, 1, 4, 4, 8, 8), np.float64)
+    with pytest.raises(NotImplementedError, match="float64"):
+        cpuflash.attention(*on_gpu(q, k, v))
+    q, k, v = qkv((1, 1, 1, 4, 4, 8, 8))
+    with pytest.raises(TypeError, match="one dtype"):
+        cpuflash.attention(*on_gpu(q, k, v.astype(np.float16)))
+    with pytest.raises(TypeError, match="GPU array"):
+        cpuflash.attention(cuda.to_device(q), k, v)
+    (big,) = rands((1, 1, 2, 264))
+    with pytest.raises(NotImplementedError, match="256"):
+        cpuflash.attention(*on_gpu(big, big, big))
+
+
+@pytest.mark.skipif(SIMULATED, reason="torch/CuPy interop needs a real GPU")
+def test_torch_and_cupy_in_and_out():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    q, k, v = qkv((1, 2, 1, 33, 40, 64, 64))
+    tq, tk, tv = (torch.from_numpy(x).cuda() for x in (q, k, v))
+    out = cpuflash.attention(tq, tk, tv, causal=True)
+    assert isinstance(out, torch.Tensor) and out.is_cuda
+    np.testing.assert_allclose(out.cpu().numpy(), reference.attention(q, k, v, causal=True),
+                               atol=2e-5)
+    try:
+        import cupy
+    except ImportError:
+        return
+    out = cpuflash.attention(*(cupy.asarray(x) for x in (q, k, v)))
+    assert isinstance(out, cupy.ndarray)
