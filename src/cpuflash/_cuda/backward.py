@@ -257,7 +257,7 @@ def make_dkdv(d_pad, dv_pad, mods):
                     init=rep("g{i}_{cc} = ZERO", i=TM, cc=CK) + rep("v{i}_{cc} = ZERO", i=TM,
                                                                      cc=CV),
                     **blocks)
-    source = expand(source, common=[l.strip() for l in COMMON.strip().splitlines()])
+    source = expand(source, common=[line.strip() for line in COMMON.strip().splitlines()])
     names = _names(TM=TM, BR=BR, BC=BC, NT=NT, DK=DK, DV=DV, MODS=mods, SK_R=DK * BR,
                    SV_R=DV * BR, SK_C=DK * BC, SV_C=DV * BC)
     return build(source, "dkdv", names), NT, BR
@@ -294,7 +294,7 @@ def make_dq(d_pad, dv_pad, mods):
     source = expand(DQ, band=[f"lo = {first_key('q0')}", f"hi = {last_key('q0 + rows - 1')}"],
                     grad=grad, acc=acc, store=store, rows_stats=stats,
                     init=rep("g{i}_{cc} = ZERO", i=TM, cc=CK), **blocks)
-    source = expand(source, common=[l.strip() for l in COMMON.strip().splitlines()])
+    source = expand(source, common=[line.strip() for line in COMMON.strip().splitlines()])
     names = _names(TM=TM, BR=BR, BC=BC, NT=NT, DK=DK, DV=DV, MODS=mods, SK_R=DK * BR,
                    SV_R=DV * BR, SK_C=DK * BC, SV_C=DV * BC)
     return build(source, "dq_kernel", names), NT, BR
