@@ -10,12 +10,17 @@ again with naive numpy attention over a plain growing K/V array, and the two mus
 same tokens; the script prints tokens per second for both and exits non-zero if they differ.
 """
 import argparse
+import os
 import sys
 import time
 
-import numpy as np
+# numpy matmuls and cpuflash calls alternate: idle OpenMP threads (Numba's pool) should sleep,
+# not spin on a core the next matmul needs (read once, when Numba starts its threads)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import cpuflash
+import numpy as np  # noqa: E402
+
+import cpuflash  # noqa: E402
 
 
 class Config:
