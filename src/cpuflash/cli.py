@@ -1,4 +1,4 @@
-"""``cpuflash`` / ``python -m cpuflash``: bench and info."""
+"""``cpuflash`` / ``python -m cpuflash``: bench, info and demo."""
 import argparse
 import json
 import os
@@ -235,9 +235,19 @@ def main(argv=None):
     p_info = sub.add_parser("info", help="CPU features, tiles, threads, cache")
     p_info.add_argument("--json", action="store_true")
     p_info.set_defaults(func=info)
+    p_demo = sub.add_parser("demo", help="all-MiniLM-L6-v2 sentence embeddings in numpy")
+    p_demo.add_argument("--sentence", action="append", help="a sentence (repeatable)")
+    p_demo.add_argument("--batch", type=int, default=32,
+                        help="sentences in the timed batch (0: no timing)")
+    p_demo.add_argument("--repeats", type=int, default=3)
+    p_demo.set_defaults(func=demo)
     args = parser.parse_args(argv)
-    args.func(args)
-    return 0
+    return args.func(args) or 0
+
+
+def demo(args):
+    from .models import demo as minilm_demo
+    return minilm_demo.main(args)
 
 
 if __name__ == "__main__":
