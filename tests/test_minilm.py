@@ -81,3 +81,10 @@ def test_token_ids_and_bad_options(model):
         model.embed_ids([ids], layout="ragged")
     with pytest.raises(TypeError, match="sentences"):
         model.embed("Hi")
+
+
+def test_demo_prints_similarities_and_times(model, capsys):
+    from cpuflash import cli
+    assert cli.main(["demo", "--batch", "3", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "cosine similarity" in out and "naive attention, padded" in out

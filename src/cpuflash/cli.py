@@ -56,6 +56,9 @@ def bench(args):
     q, k, v = _measure.make_qkv(1, 1, 8, 64, dtype)
     cpuflash.attention(q, k, v)
     t_compile = time.perf_counter() - t_compile
+    if args.plot:  # the sweep of the plot only, no tables
+        from . import _plot
+        return _plot.main(args, torch_run, torch_version)
     report = {}
     if args.section in ("forward", "all"):
         shapes = args.shape or (LONG_SHAPES if args.long else DEFAULT_SHAPES)
@@ -231,6 +234,8 @@ def main(argv=None):
     p_bench.add_argument("--no-naive", action="store_true")
     p_bench.add_argument("--no-memory", action="store_true", help="skip the RSS subprocesses")
     p_bench.add_argument("--json", action="store_true", help="machine-readable output")
+    p_bench.add_argument("--plot", metavar="OUT.png",
+                         help="only sweep N and save throughput and memory plots (matplotlib)")
     p_bench.set_defaults(func=bench)
     p_info = sub.add_parser("info", help="CPU features, tiles, threads, cache")
     p_info.add_argument("--json", action="store_true")
