@@ -28,32 +28,42 @@ def sweep(torch_run, repeats=3, throughput_ns=THROUGHPUT_NS, memory_ns=MEMORY_NS
     """``{"throughput": {impl: [(N, GFLOP/s)]}, "memory": {impl: [(N, MiB)]}}``."""
     import cpuflash
 
-    res = {"throughput": {k: [] for k in COLORS}, "memory": {"cpuflash": [], "naive numpy": []},
+    res = {"throughput": {k: [] for k in COLORS}, "memory": {k: [] for k in COLORS},
            "h": h, "d": d}
-    naive_mem_ns = [n for n in memory_ns if 3 * n * n * 4 <= NAIVE_MAX_BYTES]
-    steps = len(throughput_ns) + len(memory_ns) + len(naive_mem_ns)
+    naive_mem_ns = [n for n in memory_ns if n * n * 4 <= NAIVE_MAX_BYTES]  # scores, H=1
+    memory_runs = [("cpuflash", "cpuflash", memory_ns), ("naive numpy", "naive", naive_mem_ns)]
+    if torch_run is not None:
+        memory_runs.insert(1, ("torch SDPA", "torch", memory_ns))
+    steps = len(throughput_ns) + sum(len(ns) for _, _, ns in memory_runs)
     with Progress(steps, "cpuflash bench --plot") as bar:
         for n in throughput_ns:
             bar.step(f"throughput N={n}")
             q, k, v = _measure.make_qkv(1, h, n, d, seed=1)
-            fns = {"cpuflash": lambda: cpuflash.attention(q, k, v)}
+            calls = max(1, (2048 // n) ** 2)  # back-to-back calls: short ones time thread wake-ups
+            fns = {"cpuflash": _calls(calls, lambda: cpuflash.attention(q, k, v))}
             if torch_run is not None:
-                fns["torch SDPA"] = lambda: torch_run(q, k, v, False)
+                fns["torch SDPA"] = _calls(calls, lambda: torch_run(q, k, v, False))
             best = _measure.time_side_by_side(fns, repeats=repeats)
             if 3 * h * n * n * 4 <= NAIVE_MAX_BYTES:  # alone: BLAS threads spin after it
-                best.update({"naive numpy": _measure.time_side_by_side(
-                    {"naive": lambda: _measure.naive_attention(q, k, v)},
-                    repeats=min(2, repeats))["naive"]})
-            flops = _measure.forward_flops(1, h, n, n, d, False)
+                naive = _calls(calls, lambda: _measure.naive_attention(q, k, v))
+                best["naive numpy"] = _measure.time_side_by_side(
+                    {"naive": naive}, repeats=min(2, repeats))["naive"]
+            flops = calls * _measure.forward_flops(1, h, n, n, d, False)
             for impl, t in best.items():
                 res["throughput"][impl].append((n, flops / t / 1e9))
-        for impl, ns in (("cpuflash", memory_ns), ("naive numpy", naive_mem_ns)):
+        for impl, probe, ns in memory_runs:
             for n in ns:
                 bar.step(f"memory {impl} N={n}")
-                growth = _measure.peak_memory_growth(
-                    1, 1, n, d, impl="cpuflash" if impl == "cpuflash" else "naive")
+                growth = _measure.peak_memory_growth(1, 1, n, d, impl=probe)
                 res["memory"][impl].append((n, max(growth, 0) / 2**20))
     return res
+
+
+def _calls(count, fn):
+    def run():
+        for _ in range(count):
+            fn()
+    return run
 
 
 def draw(res, path, title):
