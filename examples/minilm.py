@@ -5,11 +5,16 @@
 
 The model lives in ``cpuflash.models.minilm`` (``cpuflash demo`` runs the same code).
 """
+import os
 import sys
 
-import numpy as np
+# numpy matmuls and cpuflash alternate: let idle OpenMP threads sleep rather than spin (read
+# once, when Numba starts its threads; see cpuflash.models.demo.quiet_openmp)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from cpuflash.models.minilm import MiniLM, MissingWeights
+import numpy as np  # noqa: E402
+
+from cpuflash.models.minilm import MiniLM, MissingWeights  # noqa: E402
 
 
 def main(sentences):

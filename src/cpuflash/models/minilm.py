@@ -102,8 +102,9 @@ class MiniLM:
         self.hidden = cfg["hidden_size"]
         self.head_dim = self.hidden // self.n_heads
         self.n_layers = cfg["num_hidden_layers"]
-        w = {name: x.astype(self.dtype) for name, x in
-             load_file(str(path / "model.safetensors")).items() if name != "embeddings.position_ids"}
+        tensors = load_file(str(path / "model.safetensors"))  # numpy arrays, float32
+        w = {name: x.astype(self.dtype) for name, x in tensors.items()
+             if name != "embeddings.position_ids"}
         self.tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
         self.tokenizer.no_padding()  # the shipped file pads to 128; the batch layout pads itself
         self.tokenizer.enable_truncation(max_length=MAX_TOKENS)
