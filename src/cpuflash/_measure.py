@@ -223,6 +223,9 @@ def rss_kib(field):
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 args = json.loads(sys.argv[1])
+if args["impl"] == "torch":  # torch's SDPA (started before Numba's pool) on the same arrays;
+    run, _ = _measure.torch_sdpa()  # its fresh output (N*D floats) is subtracted below
+    run(*_measure.make_qkv(1, 1, 8, args["d"]), args["causal"])
 q, k, v = _measure.make_qkv(1, 1, 8, args["d"])
 cpuflash.attention_vjp(q, k, v, q, causal=args["causal"])  # compile / load kernels first
 q, k, v = _measure.make_qkv(args["b"], args["h"], args["n"], args["d"])
@@ -242,10 +245,13 @@ if args["impl"] == "cpuflash":
 elif args["impl"] == "cpuflash-grad":
     del grads  # the call returns fresh gradients: same bytes as those just freed
     grads = cpuflash.attention_backward(dout, q, k, v, out, lse, causal=args["causal"])
+elif args["impl"] == "torch":
+    out = run(q, k, v, args["causal"])
 else:
     out[...] = _measure.naive_attention(q, k, v, args["causal"])
 after = rss_kib("VmHWM")
-print(json.dumps({"growth_bytes": (after - before) * 1024}))
+fresh = q.nbytes if args["impl"] == "torch" else 0
+print(json.dumps({"growth_bytes": (after - before) * 1024 - fresh}))
 """
 
 
@@ -253,7 +259,8 @@ def peak_memory_growth(b, h, n, d, causal=False, impl="cpuflash"):
     """Peak RSS growth in bytes of one call in a fresh process, beyond its inputs and outputs
     and the loaded kernels. ``impl``: "cpuflash" (forward; q/k/v/out exist beforehand),
     "cpuflash-grad" (backward; q/k/v/dout/out/lse and gradient-sized arrays exist beforehand,
-    and are freed just before the call, which makes new gradients of the same size), "naive"."""
+    and are freed just before the call, which makes new gradients of the same size), "naive",
+    "torch" (torch's SDPA; its fresh output is not counted)."""
     args = json.dumps({"b": b, "h": h, "n": n, "d": d, "causal": causal, "impl": impl})
     env = dict(os.environ)
     proc = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT, args], capture_output=True,

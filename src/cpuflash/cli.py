@@ -1,4 +1,4 @@
-"""``cpuflash`` / ``python -m cpuflash``: bench and info."""
+"""``cpuflash`` / ``python -m cpuflash``: bench, info and demo."""
 import argparse
 import json
 import os
@@ -69,6 +69,9 @@ def bench(args):
     q, k, v = _measure.make_qkv(1, 1, 8, 64, dtype)
     cpuflash.attention(q, k, v)
     t_compile = time.perf_counter() - t_compile
+    if args.plot:  # the sweep of the plot only, no tables
+        from . import _plot
+        return _plot.main(args, torch_run, torch_version)
     report = {}
     if args.section in ("forward", "all"):
         shapes = args.shape or (LONG_SHAPES if args.long else DEFAULT_SHAPES)
@@ -281,13 +284,25 @@ def main(argv=None):
     p_bench.add_argument("--no-naive", action="store_true")
     p_bench.add_argument("--no-memory", action="store_true", help="skip the RSS subprocesses")
     p_bench.add_argument("--json", action="store_true", help="machine-readable output")
+    p_bench.add_argument("--plot", metavar="OUT.png",
+                         help="only sweep N and save throughput and memory plots (matplotlib)")
     p_bench.set_defaults(func=bench)
     p_info = sub.add_parser("info", help="CPU features, tiles, threads, cache")
     p_info.add_argument("--json", action="store_true")
     p_info.set_defaults(func=info)
+    p_demo = sub.add_parser("demo", help="all-MiniLM-L6-v2 sentence embeddings in numpy")
+    p_demo.add_argument("--sentence", action="append", help="a sentence (repeatable)")
+    p_demo.add_argument("--batch", type=int, default=32,
+                        help="sentences in the timed batch (0: no timing)")
+    p_demo.add_argument("--repeats", type=int, default=3)
+    p_demo.set_defaults(func=demo)
     args = parser.parse_args(argv)
-    args.func(args)
-    return 0
+    return args.func(args) or 0
+
+
+def demo(args):
+    from .models import demo as minilm_demo
+    return minilm_demo.main(args)
 
 
 if __name__ == "__main__":
