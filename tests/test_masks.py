@@ -272,3 +272,41 @@ def test_against_torch_with_a_float_mask():
 def test_bad_masks(mask, exc, words):
     with pytest.raises(exc, match=words):
         cpuflash.attention(Q, K, V, mask=mask)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, bool])
+@pytest.mark.parametrize("n_k", [37, 256])
+def test_tile_states_against_a_direct_classification(dtype, n_k):
+    """The tile table (HIDDEN / MIXED / CLEAR per tile) equals a plain numpy classification,
+    with -0.0 (clear), NaN (neither), +inf and tiny values (neither) planted in some tiles."""
+    from cpuflash._cpu.masking import CLEAR, HIDDEN, MIXED
+    from cpuflash.masks import UserMask
+    n_q, bq, bk = 50, 16, 64
+    rng = np.random.default_rng(5)
+    if dtype is bool:
+        m = rng.random((n_q, n_k)) < 0.5
+        m[:16] = True
+        m[16:32] = False
+        m[40, 3] = False
+    else:
+        m = np.where(rng.random((n_q, n_k)) < 0.5, 0.0, -np.inf).astype(dtype)
+        m[:16] = 0.0
+        m[16:32] = -np.inf
+        m[0, 1] = -0.0          # still clear
+        m[17, 2] = np.nan       # neither: mixed
+        m[33:40] = 0.0
+        m[34, n_k - 1] = 1e-30  # changes the score: not clear
+        m[41:48] = -np.inf
+        m[45, 0] = np.inf
+    got = np.asarray(UserMask(m, 1, 2, n_q, n_k, np.float64 if dtype is np.float64
+                              else np.float32).tile_states(bq, bk))[0, 0]
+    want = np.empty_like(got)
+    for qb in range(got.shape[0]):
+        for kb in range(got.shape[1]):
+            t = m[qb * bq:(qb + 1) * bq, kb * bk:(kb + 1) * bk]
+            clear = np.all(t) if dtype is bool else np.all(t == 0)
+            hidden = np.all(~t) if dtype is bool else np.all(t == -np.inf)
+            want[qb, kb] = CLEAR if clear else HIDDEN if hidden else MIXED
+    np.testing.assert_array_equal(got, want)
+    if n_k > bk:  # one key block: the planted entries leave no tile hidden
+        assert (got == CLEAR).any() and (got == HIDDEN).any() and (got == MIXED).any()

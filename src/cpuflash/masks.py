@@ -117,14 +117,10 @@ class UserMask:
         m = self.raw
         n_qb_raw = n_qb if m.shape[2] > 1 else 1
         states = np.empty(m.shape[:2] + (n_qb_raw, n_kb), dtype=np.int8)
-        if self.is_bool:
-            bits, clear, hidden = m.view(np.uint8), 1, 0
-        else:
-            uint = np.uint32 if m.dtype == np.float32 else np.uint64
-            bits = m.view(uint)
-            clear, hidden = 0, int(np.array(-np.inf, m.dtype).view(uint))
-        tile_state_table(bits, bits.dtype.type(clear), bits.dtype.type(hidden),
-                         block_q if m.shape[2] > 1 else 1, block_k, n_kb, states)
+        like = np.empty(0, dtype=np.float32 if self.is_bool else m.dtype)  # vector type
+        tile_state_table(m.view(np.uint8) if self.is_bool else m, self.is_bool, like,
+                         float(-np.finfo(like.dtype).max), block_q if m.shape[2] > 1 else 1,
+                         block_k, n_kb, states)
         return np.broadcast_to(states, (n_b, n_hq, n_qb, n_kb))
 
 

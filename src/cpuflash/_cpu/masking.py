@@ -99,15 +99,51 @@ def apply_user_mask(s, off, ld, rows, mask, is_bool, b, h, q0, k0, n_cols, log2e
                 s[row + j] += mask_row[j] * log2e
 
 
+@helper
+def row_not_clear_not_hidden(row, is_bool, like, lowest):
+    """``(not_clear, not_hidden)`` counts of a mask row: entries that change a score, and
+    entries that do not hide it. bool (its bytes): clear = 1, hidden = 0. float: clear = +-0.0
+    (adding it leaves every score as it is), hidden = -inf; NaN is neither, so it reaches the
+    scores. A contiguous row goes by whole vectors of ``like``'s type (the mask's own float
+    type, or float32 for bool), compared lane by lane into two counters; ``lowest`` is the
+    most negative finite value of that type (``x < lowest`` only for -inf, never for NaN)."""
+    n = row.shape[0]
+    lanes = simd.lanes_of(like)
+    n_vec = n // lanes * lanes if row.strides[0] == row.itemsize else 0
+    zero = simd.vsplat(like, 0.0)
+    one = simd.vsplat(like, 1.0)
+    half = simd.vsplat(like, 0.5)
+    lowest_v = simd.vsplat(like, lowest)
+    not_clear_v = zero
+    not_hidden_v = zero
+    for j in range(0, n_vec, lanes):
+        x = simd.vload_as(like, row, j)
+        if is_bool:
+            not_clear_v = simd.vadd(not_clear_v, simd.vwhere_lt(x, half, one, zero))
+            not_hidden_v = simd.vadd(not_hidden_v, simd.vselect_nonzero(x, one, zero))
+        else:
+            not_clear_v = simd.vadd(not_clear_v, simd.vselect_nonzero(x, one, zero))
+            not_hidden_v = simd.vadd(not_hidden_v, simd.vwhere_lt(x, lowest_v, zero, one))
+    not_clear = simd.vhsum(not_clear_v)
+    not_hidden = simd.vhsum(not_hidden_v)
+    for j in range(n_vec, n):
+        x = row[j]
+        if is_bool:
+            not_clear += x == 0
+            not_hidden += x != 0
+        else:
+            not_clear += x != 0.0  # NaN too
+            not_hidden += not (x == -np.inf)
+    return not_clear, not_hidden
+
+
 @kernel
-def tile_state_table(bits, clear_bits, hidden_bits, block_q, block_k, n_kb, states):
+def tile_state_table(mask, is_bool, like, lowest, block_q, block_k, n_kb, states):
     """``states[b, h, qb, kb]`` of the caller's mask in one parallel pass over it: CLEAR if every
     entry of the tile is the "attend, add nothing" value, HIDDEN if every entry is the "never
-    attend" value, else MIXED. ``bits`` is the mask viewed as unsigned integers of its own
-    width (B', H', Nq' in {1, Nq}, Nk' in {1, Nk}), ``clear_bits``/``hidden_bits`` the bit
-    patterns of True/False or 0.0/-inf: integer OR-reductions of ``x ^ pattern``, which LLVM
-    vectorizes (float min/max reductions it does not). ``states`` is (B', H', n_qb', n_kb)."""
-    n_b, n_h, n_q, n_k = bits.shape
+    attend" value, else MIXED (``row_not_clear_not_hidden``). ``mask`` is (B', H', Nq' in
+    {1, Nq}, Nk' in {1, Nk}), bool masks as uint8; ``states`` is (B', H', n_qb', n_kb)."""
+    n_b, n_h, n_q, n_k = mask.shape
     n_qb = states.shape[2]
     for task in prange(n_b * n_h * n_qb):
         b, h, qb = unravel(task, n_h, n_qb)
@@ -116,12 +152,11 @@ def tile_state_table(bits, clear_bits, hidden_bits, block_q, block_k, n_kb, stat
         for kb in range(n_kb):
             k0 = 0 if n_k == 1 else kb * block_k
             k1 = 1 if n_k == 1 else min(n_k, k0 + block_k)
-            not_clear = 0
-            not_hidden = 0
+            not_clear = 0.0
+            not_hidden = 0.0
             for i in range(q0, q1):
-                row = bits[b, h, i, k0:k1]
-                for j in range(k1 - k0):
-                    not_clear |= row[j] ^ clear_bits
-                    not_hidden |= row[j] ^ hidden_bits
+                c, v = row_not_clear_not_hidden(mask[b, h, i, k0:k1], is_bool, like, lowest)
+                not_clear += c
+                not_hidden += v
             states[b, h, qb, kb] = CLEAR if not_clear == 0 else (
                 HIDDEN if not_hidden == 0 else MIXED)
