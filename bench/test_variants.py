@@ -22,6 +22,7 @@ VARIANTS = {
     "key-padding mask": {"mask": "keypad"},
     "2-D bool mask": {"mask": "tril"},
     "float mask": {"mask": "float"},
+    "float mask, arbitrary values": {"mask": "float_values"},
     "softcap": {"softcap": 30.0},
     "alibi": {"alibi_slopes": "slopes"},
     "dropout": {"dropout_p": 0.1, "seed": 0},
@@ -34,6 +35,9 @@ def _options(spec, n):
     made = {"keypad": np.ones((1, 1, 1, n), bool), "tril": np.tril(np.ones((n, n), bool)),
             "float": np.where(np.tril(np.ones((n, n), bool)), 0.0, -np.inf).astype(np.float32)
             + np.triu(rng.standard_normal((n, n)).astype(np.float32) * 0, 1),
+            "float_values": np.where(np.tril(np.ones((n, n), bool)),
+                                     rng.standard_normal((n, n)).astype(np.float32) * 0.1,
+                                     np.float32(-np.inf)),
             "slopes": np.geomspace(0.5, 0.004, 8), "lens": np.array([n])}
     return {k: made[v] if isinstance(v, str) else v for k, v in spec.items()}
 
