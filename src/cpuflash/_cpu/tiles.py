@@ -16,59 +16,40 @@ from ._jit import helper
 MR = config.MICRO_ROWS
 MAX_VECS = config.MICRO_VECS  # vectors per micro-tile row: the panel width of packed B
 
-_set = [simd._make_gemm(MR, nv, accumulate=False) for nv in range(1, 5)]
-_acc = [simd._make_gemm(MR, nv, accumulate=True) for nv in range(1, 5)]
-_set1, _set2, _set3, _set4 = _set
-_acc1, _acc2, _acc3, _acc4 = _acc
+
+def _micro_dispatch(mr):
+    """``micro(c, ..., k, nv, accumulate)``: the ``mr``-row tile product of ``nv`` vectors of
+    columns (1..MAX_VECS), picked at run time among the shapes built ahead by ``_make_gemm``."""
+    set1, set2, set3, set4 = [simd._make_gemm(mr, nv, accumulate=False) for nv in range(1, 5)]
+    acc1, acc2, acc3, acc4 = [simd._make_gemm(mr, nv, accumulate=True) for nv in range(1, 5)]
+
+    def micro(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k, nv, accumulate):
+        if accumulate:
+            if nv == 4:
+                acc4(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k)
+            elif nv == 3:
+                acc3(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k)
+            elif nv == 2:
+                acc2(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k)
+            else:
+                acc1(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k)
+        else:
+            if nv == 4:
+                set4(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k)
+            elif nv == 3:
+                set3(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k)
+            elif nv == 2:
+                set2(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k)
+            else:
+                set1(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k)
+
+    micro.__name__ = micro.__qualname__ = f"_micro_{mr}rows"
+    return helper(micro)
+
+
+_micro_simd = _micro_dispatch(MR)
 # One-row tiles for the rows past the last whole MR block (decode with fewer rows than MR).
-_row_set1, _row_set2, _row_set3, _row_set4 = [simd._make_gemm(1, nv, accumulate=False)
-                                              for nv in range(1, 5)]
-_row_acc1, _row_acc2, _row_acc3, _row_acc4 = [simd._make_gemm(1, nv, accumulate=True)
-                                              for nv in range(1, 5)]
-
-
-@helper
-def _micro_row(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k, nv, accumulate):
-    if accumulate:
-        if nv == 4:
-            _row_acc4(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k)
-        elif nv == 3:
-            _row_acc3(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k)
-        elif nv == 2:
-            _row_acc2(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k)
-        else:
-            _row_acc1(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k)
-    else:
-        if nv == 4:
-            _row_set4(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k)
-        elif nv == 3:
-            _row_set3(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k)
-        elif nv == 2:
-            _row_set2(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k)
-        else:
-            _row_set1(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k)
-
-
-@helper
-def _micro_simd(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k, nv, accumulate):
-    if accumulate:
-        if nv == 4:
-            _acc4(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k)
-        elif nv == 3:
-            _acc3(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k)
-        elif nv == 2:
-            _acc2(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k)
-        else:
-            _acc1(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k)
-    else:
-        if nv == 4:
-            _set4(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k)
-        elif nv == 3:
-            _set3(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k)
-        elif nv == 2:
-            _set2(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k)
-        else:
-            _set1(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k)
+_micro_row = _micro_dispatch(1)
 
 
 @helper
