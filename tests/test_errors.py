@@ -30,6 +30,10 @@ Q, K, V = rand((1, 4, 8, 16)), rand((1, 2, 10, 16)), rand((1, 2, 10, 8))
     ((Q, K, V), {"out": np.empty((1, 4, 8, 16), np.float32)}, ValueError, "out: expected shape"),
     ((Q, K, V), {"out": np.empty((1, 4, 8, 8), np.float64)}, TypeError, "out: expected dtype"),
     ((Q, K, V), {"out": [0.0]}, TypeError, "out: expected a numpy.ndarray"),
+    ((Q, K, V), {"device": "gpu"}, ValueError, "device: expected None, 'cpu' or 'cuda'"),
+    ((Q, K.astype(np.int8), V.astype(np.int8)),
+     {"k_scale": [1.0], "v_scale": np.ones((1, 2, 10), np.float32)}, TypeError,
+     "k_scale: expected a numpy.ndarray"),
 ])
 def test_bad_input(args, kwargs, exc, words):
     with pytest.raises(exc, match=words.replace("(", r"\(").replace(")", r"\)")):
@@ -48,3 +52,11 @@ def test_read_only_out():
 def test_bad_thread_count(n, exc):
     with pytest.raises(exc, match="n: expected"):
         cpuflash.set_num_threads(n)
+
+
+def test_int8_cache_is_not_on_the_cuda_path_yet():
+    k8, v8 = K.astype(np.int8), V.astype(np.int8)
+    scales = {"k_scale": np.ones((1, 2, 10), np.float32),
+              "v_scale": np.ones((1, 2, 10), np.float32)}
+    with pytest.raises(NotImplementedError, match="k_scale, v_scale: int8 K/V caches"):
+        cpuflash.attention(Q, k8, v8, device="cuda", **scales)

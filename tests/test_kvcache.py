@@ -122,8 +122,31 @@ def test_overflow_is_an_error_and_writes_nothing():
     assert cache.lengths[0] == 8
 
 
+@pytest.mark.parametrize("x,exc,words", [
+    (np.arange(8, dtype=np.int32), TypeError, "x: expected a float array"),
+    (np.float32(1.0), ValueError, "x: expected at least one axis"),
+    (np.array([[1.0, np.inf]]), ValueError, "x: int8 quantization needs finite"),
+])
+def test_quantize_int8_bad_input(x, exc, words):
+    with pytest.raises(exc, match=words):
+        cpuflash.quantize_int8(x)
+
+
+def test_int8_append_of_nan_names_the_argument_and_writes_nothing():
+    cache = cpuflash.KVCache(1, 1, 1, 8, D, dtype=np.int8)
+    v = rand((1, 1, 2, D))
+    v[0, 0, 1, 3] = np.nan
+    with pytest.raises(ValueError, match="v: int8 quantization needs finite"):
+        cache.append(0, rand((1, 1, 2, D)), v)
+    assert cache.lengths[0] == 0 and not cache.k_t.any()
+
+
 @pytest.mark.parametrize("kwargs,exc,words", [
     ({"layers": 0}, ValueError, "layers"),
+    ({"batch": -1}, ValueError, "batch"),
+    ({"kv_heads": True}, TypeError, "kv_heads"),
+    ({"head_dim": 0}, ValueError, "head_dim"),
+    ({"v_head_dim": 0}, ValueError, "v_head_dim"),
     ({"max_len": 2.5}, TypeError, "max_len"),
     ({"dtype": np.int32}, TypeError, "dtype"),
     ({"dtype": "bogus"}, TypeError, "dtype"),

@@ -57,10 +57,10 @@ def attention(q, k, v, *, causal=False, scale=None, mask=None, window=None, kv_l
     """
     return_lse = _checks.flag("return_lse", return_lse)
     if _on_cuda(q, device):
-        from ._cuda import dispatch
         if k_scale is not None or v_scale is not None:
             raise NotImplementedError("k_scale, v_scale: int8 K/V caches are not yet on the "
                                       "CUDA path")
+        from ._cuda import dispatch
         return dispatch.attention(q, k, v, causal=causal, scale=scale, mask=mask,
                                   window=window, kv_lens=kv_lens, alibi_slopes=alibi_slopes,
                                   softcap=softcap, dropout_p=dropout_p, seed=seed,

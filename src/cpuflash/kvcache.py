@@ -25,19 +25,19 @@ STORAGE_DTYPES = (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float1
                   np.dtype(np.int8))
 
 
-def quantize_int8(x):
+def quantize_int8(x, *, name="x"):
     """``(x8, scale)`` with ``x8`` int8 and ``scale`` float32 of shape ``x.shape[:-1]``, such that
     ``x8 * scale[..., None]`` approximates ``x``: symmetric, ``scale = max|x| / 127`` over the
     last axis (a row of zeros gets scale 0). NaN or Inf in ``x`` raise ValueError: int8 cannot
-    hold them."""
+    hold them. ``name``: the argument named in errors."""
     x = np.asarray(x)
     if x.dtype not in _checks.FLOAT_DTYPES:
-        raise TypeError(f"x: expected a float array, got {x.dtype}")
+        raise TypeError(f"{name}: expected a float array, got {x.dtype}")
     if x.ndim == 0:
-        raise ValueError("x: expected at least one axis (the head dim), got a scalar")
+        raise ValueError(f"{name}: expected at least one axis (the head dim), got a scalar")
     x32 = x.astype(np.float32, copy=False)
     if not np.all(np.isfinite(x32)):
-        raise ValueError("x: int8 quantization needs finite values, got NaN or Inf")
+        raise ValueError(f"{name}: int8 quantization needs finite values, got NaN or Inf")
     amax = np.max(np.abs(x32), axis=-1) if x.shape[-1] else np.zeros(x.shape[:-1], np.float32)
     scale = (amax / np.float32(127.0)).astype(np.float32)
     safe = np.where(scale > 0, scale, np.float32(1.0))
@@ -123,9 +123,9 @@ class KVCache:
         stop = start + n_new
         k_dst = self.k_t[layer, :, :, :, start:stop].transpose(0, 1, 3, 2)
         if self.dtype == np.int8:
-            k_dst[...], self.k_scale[layer, :, :, start:stop] = quantize_int8(k)
-            self.v[layer, :, :, start:stop], self.v_scale[layer, :, :, start:stop] = \
-                quantize_int8(v)
+            (k8, k_scale), (v8, v_scale) = quantize_int8(k, name="k"), quantize_int8(v, name="v")
+            k_dst[...], self.k_scale[layer, :, :, start:stop] = k8, k_scale
+            self.v[layer, :, :, start:stop], self.v_scale[layer, :, :, start:stop] = v8, v_scale
         else:
             k_dst[...] = k
             self.v[layer, :, :, start:stop] = v
