@@ -11,11 +11,13 @@ Query ``i`` of batch ``b`` sees key ``j`` iff ``j < kv_len[b]`` and
 or ``-1`` for an unbounded side, and ``causal`` caps ``right`` at 0. Without ``kv_lens``,
 ``kv_len[b] = Nk``: exactly the alignment of API.md.
 """
+import functools
 import math
 import numbers
 
 import numpy as np
 
+from ._cpu.dropout import threshold
 from ._cpu.masking import CLEAR, UNBOUNDED, tile_state_table
 
 
@@ -97,12 +99,11 @@ class UserMask:
 
     def __init__(self, mask, n_b, n_hq, n_q, n_k, compute_dtype):
         self.shape = (n_b, n_hq, n_q, n_k)
-        if mask is None:
-            self.given = False
-            self.raw = np.ones((1, 1, 1, 1), dtype=bool)
-        else:
-            self.given = True
-            self.raw = _mask_4d(mask, self.shape, compute_dtype)
+        self.given = mask is not None
+        if not self.given:  # the same read-only views for every call of a shape
+            self.raw, self.is_bool, self.view = _NO_MASK, True, _no_mask_view(self.shape)
+            return
+        self.raw = _mask_4d(mask, self.shape, compute_dtype)
         self.is_bool = self.raw.dtype == np.bool_
         # bool as its bytes (0/1): the kernels load a row of them as one vector
         raw = self.raw.view(np.uint8) if self.is_bool else self.raw
@@ -113,7 +114,7 @@ class UserMask:
         n_b, n_hq, n_q, n_k = self.shape
         n_qb, n_kb = max(1, -(-n_q // block_q)), max(1, -(-n_k // block_k))
         if not self.given or n_q == 0 or n_k == 0:
-            return np.broadcast_to(np.int8(CLEAR), (n_b, n_hq, n_qb, n_kb))
+            return _all_clear((n_b, n_hq, n_qb, n_kb))
         m = self.raw
         n_qb_raw = n_qb if m.shape[2] > 1 else 1
         states = np.empty(m.shape[:2] + (n_qb_raw, n_kb), dtype=np.int8)
@@ -122,6 +123,22 @@ class UserMask:
                          float(-np.finfo(like.dtype).max), block_q if m.shape[2] > 1 else 1,
                          block_k, n_kb, states)
         return np.broadcast_to(states, (n_b, n_hq, n_qb, n_kb))
+
+
+_NO_MASK = np.ones((1, 1, 1, 1), dtype=bool)
+_NO_MASK.flags.writeable = False
+
+
+# Stride-0 views that depend on the shape only, made once per shape: np.broadcast_to costs
+# 3 us, a tenth of the Python work of a decode step.
+@functools.lru_cache(maxsize=64)
+def _no_mask_view(shape):
+    return np.broadcast_to(_NO_MASK.view(np.uint8), shape)
+
+
+@functools.lru_cache(maxsize=64)
+def _all_clear(shape):
+    return np.broadcast_to(np.int8(CLEAR), shape)
 
 
 def _mask_4d(mask, shape, compute_dtype):
@@ -144,7 +161,6 @@ def _mask_4d(mask, shape, compute_dtype):
 
 def dropout(dropout_p, seed):
     """``(drop_below, seed)`` for the kernels; ``(0, 0)`` without dropout."""
-    from ._cpu.dropout import threshold
     if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, numbers.Real):
         raise TypeError(f"dropout_p: expected a number in [0, 1), got {dropout_p!r}")
     p = float(dropout_p)

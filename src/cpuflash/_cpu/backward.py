@@ -90,6 +90,7 @@ def backward(qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad
         lse_r = np.empty(block_q, dtype=dk.dtype)
         lse_lo = np.empty(block_q, dtype=dk.dtype)
         delta_r = np.empty(block_q, dtype=dk.dtype)
+        max_unused = np.empty(block_q, dtype=dk.dtype)  # row maxima of the masking pass
         for kb in range(chunk_starts[chunk], chunk_starts[chunk + 1]):
             k0 = kb * block_k
             n_valid = min(block_k, n_k - k0)  # keys past kv_len: gradient 0, V never read
@@ -138,7 +139,7 @@ def backward(qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad
                                        softcap2, slopes2[b, h], t_cap, portable)
                     if state == MIXED:
                         apply_user_mask(s, 0, ld_s, rows, mask, mask_is_bool, b, h, q0, k0,
-                                        min(block_k, n_k_all - k0), LOG2_E)
+                                        min(block_k, n_k_all - k0), LOG2_E, max_unused)
                     if tile_needs_mask(q0, q0 + rows, k0, block_k, n_q, n_k, left, right):
                         mask_tile(s, ld_s, rows, q0, k0, block_k, n_q, n_k, left, right,
                                   -np.inf)

@@ -198,7 +198,7 @@ def decode(q, kf, k_strides, k_storage, vf, v_strides, k_scale, ks_strides, v_sc
                                no_t, False)
                 if mask_given:
                     apply_user_mask(s, row, CHUNK, 1, mask, mask_is_bool, b, h, i, c0, n_c,
-                                    LOG2_E)
+                                    LOG2_E, l_tile)  # its row max unused: l_tile is scratch
                 # Masked after the modifiers, as the tiled kernel; a chunk inside the row's
                 # band (the common case) needs only its tail past n_c.
                 if first_r[r] <= c0 and c0 + n_c - 1 <= last_r[r]:
@@ -208,7 +208,7 @@ def decode(q, kf, k_strides, k_storage, vf, v_strides, k_scale, ks_strides, v_sc
                     for jj in range(CHUNK):
                         if not (jj < n_c and first_r[r] <= c0 + jj <= last_r[r]):
                             s[row + jj] = -np.inf
-            online_softmax(s, CHUNK, CHUNK, rows, m_i, l_tile, alpha_i, False)
+            online_softmax(s, CHUNK, CHUNK, rows, m_i, l_tile, alpha_i, l_tile, False, False)
             for r in range(rows):
                 l_i[r] = alpha_i[r] * l_i[r] + l_tile[r]
                 if drop_below > 0:

@@ -38,7 +38,7 @@ from .masking import (HIDDEN, MIXED, apply_user_mask, mask_tile, tile_key_range,
                       tile_needs_mask)
 from .dropout import dropout_row
 from .scores import modify_row
-from .tiles import online_softmax, rescale_add, tile_product
+from .tiles import online_softmax, rescale_add, row_max, tile_product
 
 LN2 = math.log(2.0)
 LOG2_E = 1.0 / LN2
@@ -98,6 +98,7 @@ def forward(q, kt, vt, block_q, scale2, left, right, kv_lens, softcap2, slopes2,
         l_i = np.zeros(block_q, dtype=out.dtype)
         l_tile_sums = np.empty(block_q, dtype=out.dtype)
         alpha_i = np.empty(block_q, dtype=out.dtype)
+        tile_max = np.empty(block_q, dtype=out.dtype)  # row maxima of a masked tile
         pv = np.empty(block_q * dv_pad, dtype=out.dtype)
         for r in range(rows):
             for dd in range(d):
@@ -115,12 +116,20 @@ def forward(q, kt, vt, block_q, scale2, left, right, kv_lens, softcap2, slopes2,
                 for r in range(rows):
                     modify_row(s, r * ld_s, block_k, q0 + r + n_k - n_q, k0, softcap2,
                                slopes2[b, h], no_t, portable)
+            max_given = False  # whether the masking pass found the row maxima on its way
             if state == MIXED:
-                apply_user_mask(s, 0, ld_s, rows, mask, mask_is_bool, b, h, q0, k0,
-                                min(block_k, n_k_all - k0), LOG2_E)
+                n_cols = min(block_k, n_k_all - k0)
+                apply_user_mask(s, 0, ld_s, rows, mask, mask_is_bool, b, h, q0, k0, n_cols,
+                                LOG2_E, tile_max)
+                max_given = n_cols == block_k
             if tile_needs_mask(q0, q0 + rows, k0, block_k, n_q, n_k, left, right):
                 mask_tile(s, ld_s, rows, q0, k0, block_k, n_q, n_k, left, right, -np.inf)
-            online_softmax(s, ld_s, block_k, block_q, m_i, l_tile_sums, alpha_i, portable)
+                max_given = False
+            if max_given:  # padding rows: their scores are 0 (Q zero-padded), or NaN
+                for r in range(rows, block_q):
+                    tile_max[r] = row_max(s, r * ld_s, block_k, portable)
+            online_softmax(s, ld_s, block_k, block_q, m_i, l_tile_sums, alpha_i, tile_max,
+                           max_given, portable)
             for r in range(block_q):
                 l_i[r] = alpha_i[r] * l_i[r] + l_tile_sums[r]
             if drop_below > 0:  # after the sums: l normalizes the probabilities before dropout

@@ -583,9 +583,11 @@ def vdropout(typingctx, p, mix, j0, below, inv_keep):
 
         mix32 = builder.trunc(context.cast(builder, mix_v, sig.args[1], types.uint64), i32)
         j32 = builder.trunc(context.cast(builder, j0_v, sig.args[2], types.int64), i32)
-        lanes = ir.Constant(ity, list(range(n)))
-        j = builder.add(splat_int(j32), lanes)
-        x = builder.add(splat_int(mix32), builder.mul(j, const(0xC2B2AE3D)))
+        # mix + (j0 + l) * C as (mix + j0 * C) + l * C: one scalar product, no vector one
+        c_j = ir.Constant(i32, 0xC2B2AE3D)
+        base = builder.add(mix32, builder.mul(j32, c_j))
+        lane_terms = ir.Constant(ity, [(lane * 0xC2B2AE3D) & 0xFFFFFFFF for lane in range(n)])
+        x = builder.add(splat_int(base), lane_terms)
         x = builder.xor(x, builder.lshr(x, const(16)))
         x = builder.mul(x, const(0x85EBCA6B))
         x = builder.xor(x, builder.lshr(x, const(13)))

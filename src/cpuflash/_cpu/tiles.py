@@ -158,9 +158,10 @@ def exp2_inplace(x, off, n, portable):
 
 
 @helper
-def online_softmax(s, ld, n, rows, m_i, l_i, alpha_i, portable):
+def online_softmax(s, ld, n, rows, m_i, l_i, alpha_i, tile_max, max_given, portable):
     """One key tile of online softmax, in base 2, for ``rows`` rows of ``n`` scores, rows
-    ``ld`` apart in ``s``.
+    ``ld`` apart in ``s``. ``max_given``: ``tile_max[r]`` already holds each row's maximum
+    (found by the pass that masked the tile); else the rows are read for it here.
 
     In place: ``s`` becomes ``P = 2^(s - m_new)``; ``m_i`` the new running max; ``l_i`` this
     tile's row sums ``rowsum(P)``; ``alpha_i = 2^(m_old - m_new)``, the factor by which the
@@ -171,7 +172,8 @@ def online_softmax(s, ld, n, rows, m_i, l_i, alpha_i, portable):
     """
     for r in range(rows):
         m_old = m_i[r]
-        m_new = max(m_old, row_max(s, r * ld, n, portable))
+        t_max = tile_max[r] if max_given else row_max(s, r * ld, n, portable)
+        m_new = max(m_old, t_max)
         # A row that has seen only masked keys keeps m = -inf; shift by 0 then, so that
         # 2^(-inf - shift) is 0 and never 2^(-inf - (-inf)) = NaN.
         shift = m_new if m_new > -np.inf else 0.0
