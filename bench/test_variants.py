@@ -45,28 +45,49 @@ def _options(spec, n):
     return {k: made[v] if isinstance(v, str) else v for k, v in spec.items()}
 
 
-@pytest.mark.parametrize("name", list(VARIANTS))
-def test_variant(benchmark, name):
+def _variant_and_plain(name, backward):
+    """Zero-argument calls of the variant and of plain causal: the forward pass, or the
+    backward pass from each one's own forward output."""
     q, k, v = _measure.make_qkv(1, 8, N, 64, seed=1)
     opts = _options(VARIANTS[name], N)
-    causal = "mask" not in opts or VARIANTS[name]["mask"] == "keypad"
+    opts["causal"] = "mask" not in opts or VARIANTS[name]["mask"] == "keypad"
+    plain_opts = {"causal": True}
+    if not backward:
+        return (lambda: cpuflash.attention(q, k, v, **opts),
+                lambda: cpuflash.attention(q, k, v, **plain_opts))
+    dout = _measure.make_qkv(1, 8, N, 64, seed=2)[0]
 
-    def fn():
-        return cpuflash.attention(q, k, v, causal=causal, **opts)
+    def backward_of(o):
+        out, lse = cpuflash.attention(q, k, v, return_lse=True, **o)
+        return lambda: cpuflash.attention_backward(dout, q, k, v, out, lse, **o)
 
-    def plain():
-        return cpuflash.attention(q, k, v, causal=True)
+    return backward_of(opts), backward_of(plain_opts)
 
+
+def _bench_variant(benchmark, name, backward):
+    fn, plain = _variant_and_plain(name, backward)
     fn()
-    benchmark.group = f"variants B=1 H=8 N={N} D=64 (causal tiles)"
-    record(benchmark, impl="cpuflash", variant=name, B=1, H=8, N=N, D=64)
+    pass_name = "backward" if backward else "forward"
+    benchmark.group = f"variants, {pass_name}, B=1 H=8 N={N} D=64 (causal tiles)"
+    record(benchmark, impl="cpuflash", variant=name, B=1, H=8, N=N, D=64, pass_=pass_name)
     # The ratio to plain causal, timed call by call in turns (best of 15 each), so that the
     # machine's drift over the run does not enter it as it enters the separate tests' times.
     best = _measure.time_side_by_side({"variant": fn, "causal": plain}, repeats=15)
     benchmark.extra_info["x_causal"] = best["variant"] / best["causal"]
-    print(f"\n{name}: {benchmark.extra_info['x_causal']:.3f}x plain causal (in turns)")
+    print(f"\n{pass_name} {name}: {benchmark.extra_info['x_causal']:.3f}x plain causal "
+          f"(in turns)")
     time.sleep(0.5)
-    benchmark.pedantic(fn, rounds=5, iterations=2, warmup_rounds=1)
+    benchmark.pedantic(fn, rounds=5, iterations=2 if not backward else 1, warmup_rounds=1)
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_variant(benchmark, name):
+    _bench_variant(benchmark, name, backward=False)
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_variant_backward(benchmark, name):
+    _bench_variant(benchmark, name, backward=True)
 
 
 @pytest.mark.parametrize("window", [None, (256, 0)])

@@ -310,3 +310,15 @@ def test_tile_states_against_a_direct_classification(dtype, n_k):
     np.testing.assert_array_equal(got, want)
     if n_k > bk:  # one key block: the planted entries leave no tile hidden
         assert (got == CLEAR).any() and (got == HIDDEN).any() and (got == MIXED).any()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_steep_alibi_gradients(dtype):
+    """Slopes so steep that most probabilities of a row lie below 2^-64 of its total: the
+    backward pass sets those to 0 (no subnormal products, see tiles.P_FLUSH_BELOW) and the
+    gradients still match the reference."""
+    q, k, v = rands((1, 4, 150, 16), (1, 2, 300, 16), (1, 2, 300, 16))
+    q, k, v = (x.astype(dtype) for x in (q, k, v))
+    slopes = np.array([0.5, 2.0, 4.0, 8.0])
+    check_all(q, k, v, rand((1, 4, 150, 16), seed=4).astype(dtype), causal=True,
+              alibi_slopes=slopes)

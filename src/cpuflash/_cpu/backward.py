@@ -162,7 +162,7 @@ def backward(qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad
                                         (b * n_hq + h) * n_q + q0 + r, k0, drop_below, inv_keep)
                     if softcap2 != 0.0:  # back through the tanh to the raw scores
                         for r in range(rows):
-                            tanh_grad_row(ds, t_cap, r * ld_s, block_k)
+                            tanh_grad_row(ds, t_cap, r * ld_s, block_k, portable)
                     # dV += P^T dO and dK += dS^T Q: P and dS read transposed (row stride 1).
                     # Each block's products are formed on their own, then added with compensation:
                     # one long running sum over every query row rounds more (measured at N=8192,

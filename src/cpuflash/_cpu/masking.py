@@ -169,5 +169,7 @@ def tile_state_table(mask, is_bool, like, lowest, block_q, block_k, n_kb, states
                 c, v = row_not_clear_not_hidden(mask[b, h, i, k0:k1], is_bool, like, lowest)
                 not_clear += c
                 not_hidden += v
+                if not_clear > 0 and not_hidden > 0:
+                    break  # MIXED already: the rest of the tile cannot change that
             states[b, h, qb, kb] = CLEAR if not_clear == 0 else (
                 HIDDEN if not_hidden == 0 else MIXED)

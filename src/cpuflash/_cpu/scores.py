@@ -109,7 +109,14 @@ def modify_row(s, off, n, i_rel, k0, softcap2, slope2, t_out, portable):
 
 
 @helper
-def tanh_grad_row(ds, t, off, n):
-    """``ds[off:off+n] *= 1 - t^2``: through ``s = c * tanh(s_raw / c)`` back to ``s_raw``."""
-    for j in range(off, off + n):
-        ds[j] *= 1.0 - t[j] * t[j]
+def tanh_grad_row(ds, t, off, n, portable):
+    """``ds[off:off+n] *= 1 - t^2``: through ``s = c * tanh(s_raw / c)`` back to ``s_raw``
+    (``n`` whole vectors)."""
+    if portable:
+        for j in range(off, off + n):
+            ds[j] *= 1.0 - t[j] * t[j]
+        return
+    one = simd.vsplat(ds, 1.0)
+    for j in range(off, off + n, simd.lanes_of(ds)):
+        t_v = simd.vload(t, j)
+        simd.vstore(ds, j, simd.vmul(simd.vload(ds, j), simd.vsub(one, simd.vmul(t_v, t_v))))
