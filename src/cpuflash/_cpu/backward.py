@@ -17,6 +17,7 @@ shapes only, so the result is bitwise the same for any thread count. Five tile p
 tile, the same micro-kernels and exp2 as the forward pass; never built in full: any (Nq, Nk)
 matrix. Memory: packed K/V (three O(Nk) copies) and ``n_chunks`` dQ partials.
 """
+import functools
 import math
 
 import numpy as np
@@ -186,8 +187,52 @@ def backward(qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad
                     dv[b, hk, k0 + j, c] = dv_acc[j * dv_pad + c]
 
 
+@kernel
+def row_terms(dout, out, lse, lse2, lse2_lo, delta):
+    """The per-row terms of the backward pass, (B, H, Nq) each, one pass over ``dout``/``out``:
+
+    * ``lse2 + lse2_lo``: lse in base 2 as a sum of two floats of the compute dtype (the exact
+      float64 product rounded, and its rounding error; see ``tiles.exp2_shifted2``), ``+inf``
+      for a row that saw no key (``lse = -inf``: its P = 2^(S - inf) = 0).
+    * ``delta = rowsum(dO * O)``, summed in float64: ``dS = P * (dP - delta)`` cancels where
+      ``dP ~ delta``, so delta's rounding would show directly in the gradients.
+    """
+    n_b, n_h, n_q, n_dv = out.shape
+    for task in prange(n_b * n_h):
+        b, h, _ = unravel(task, n_h, 1)
+        for i in range(n_q):
+            x = lse[b, h, i]
+            exact = np.inf if x == -np.inf else np.float64(x) * LOG2_E
+            lse2[b, h, i] = exact  # rounded to the compute dtype by the store
+            lse2_lo[b, h, i] = exact - lse2[b, h, i] if np.isfinite(exact) else 0.0
+            # four partial sums: four chains of float64 adds, not one, run side by side
+            t0 = t1 = t2 = t3 = 0.0
+            n_four = n_dv // 4 * 4
+            for c in range(0, n_four, 4):
+                t0 += np.float64(dout[b, h, i, c]) * np.float64(out[b, h, i, c])
+                t1 += np.float64(dout[b, h, i, c + 1]) * np.float64(out[b, h, i, c + 1])
+                t2 += np.float64(dout[b, h, i, c + 2]) * np.float64(out[b, h, i, c + 2])
+                t3 += np.float64(dout[b, h, i, c + 3]) * np.float64(out[b, h, i, c + 3])
+            for c in range(n_four, n_dv):
+                t0 += np.float64(dout[b, h, i, c]) * np.float64(out[b, h, i, c])
+            delta[b, h, i] = (t0 + t1) + (t2 + t3)
+
+
+@functools.lru_cache(maxsize=256)
+def _chunk_starts(n_q, n_k, block_k, left, right, n_bh_kv):
+    starts = _balanced_chunk_starts(n_q, n_k, block_k, left, right, n_bh_kv)
+    starts.flags.writeable = False
+    return starts
+
+
 def chunk_starts(n_q, n_k, block_k, left, right, n_bh_kv):
-    """Key-tile boundaries of the chunks, balanced by work; depends on the shapes only."""
+    """Key-tile boundaries of the chunks (a read-only int64 array), balanced by work; a
+    function of the shapes only, so made once per shape."""
+    return _chunk_starts(int(n_q), int(n_k), int(block_k), int(left), int(right),
+                         int(n_bh_kv))
+
+
+def _balanced_chunk_starts(n_q, n_k, block_k, left, right, n_bh_kv):
     n_kb = max(1, -(-n_k // block_k))
     n_chunks = min(n_kb, -(-TASKS_WANTED // max(1, n_bh_kv)))
     # work of tile kb ~ the query rows whose band [i + off - left, i + off + right] meets it
@@ -225,15 +270,10 @@ def run_backward(dout, q, k, v, out, lse, scale, band, mods, user_mask, drop, po
     kt = packed_transposed(k, block_k, width, "keys")
     vtt = packed_transposed(v, block_k, width, "values_t")
     kn = packed_rows(k, block_k, lanes, width, "keys_rows", zero_nonfinite=True)
-    # Row terms: lse in base 2 (+inf where the row saw no key: P = 2^(S - inf) = 0) and
-    # delta_i = rowsum(dO_i * O_i).
-    lse2_exact = np.where(np.isneginf(lse), np.inf, lse.astype(np.float64) * LOG2_E)
-    lse2 = lse2_exact.astype(dtype)
-    with np.errstate(invalid="ignore"):
-        lse2_lo = np.where(np.isfinite(lse2_exact), lse2_exact - lse2, 0.0).astype(dtype)
-    # delta in float64: dS = P * (dP - delta) cancels where dP ~ delta, so delta's rounding
-    # would show directly in the gradients.
-    delta = np.einsum("bhid,bhid->bhi", dout, out, dtype=np.float64).astype(dtype)
+    lse2 = np.empty(lse.shape, dtype=dtype)
+    lse2_lo = np.empty(lse.shape, dtype=dtype)
+    delta = np.empty(lse.shape, dtype=dtype)
+    row_terms(dout, out, lse, lse2, lse2_lo, delta)
     starts = chunk_starts(n_q, n_k, block_k, left, right, n_b * n_hkv)
     n_qb = -(-n_q // block_q)
     dq_part = np.zeros((starts.size - 1, n_b, n_hq, n_qb * block_q, d_pad), dtype=dtype)
