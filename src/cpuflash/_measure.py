@@ -234,16 +234,25 @@ def rss_kib(field):
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 args = json.loads(sys.argv[1])
+
+def options(b, h, n):  # the call's options: causal only, or every option at once
+    if not args.get("every_option"):
+        return {"causal": args["causal"]}
+    return {"causal": True, "window": (max(1, n // 4), 0), "kv_lens": np.full(b, max(1, n - 3)),
+            "alibi_slopes": np.full(h, 0.01), "softcap": 30.0, "dropout_p": 0.1, "seed": 1,
+            "mask": np.ones((b, 1, 1, n), bool)}
+
 if args["impl"] == "torch":  # torch's SDPA (started before Numba's pool) on the same arrays;
     run, _ = _measure.torch_sdpa()  # its fresh output (N*D floats) is subtracted below
     run(*_measure.make_qkv(1, 1, 8, args["d"]), args["causal"])
 q, k, v = _measure.make_qkv(1, 1, 8, args["d"])
-cpuflash.attention_vjp(q, k, v, q, causal=args["causal"])  # compile / load kernels first
+cpuflash.attention_vjp(q, k, v, q, **options(1, 1, 8))  # compile / load kernels first
 q, k, v = _measure.make_qkv(args["b"], args["h"], args["n"], args["d"])
+opts = options(args["b"], args["h"], args["n"])
 out = np.zeros_like(q)  # touched: its pages count as the output's, not as growth
 if args["impl"] == "cpuflash-grad":  # inputs, output, lse and gradients exist beforehand
     dout = np.ones_like(q)
-    out, lse = cpuflash.attention(q, k, v, causal=args["causal"], return_lse=True)
+    out, lse = cpuflash.attention(q, k, v, return_lse=True, **opts)
     grads = [np.ones_like(x) for x in (q, k, v)]
 try:
     with open("/proc/self/clear_refs", "w") as f:
@@ -252,10 +261,10 @@ except OSError:
     pass
 before = rss_kib("VmRSS")  # if the reset failed, growth is over- never under-estimated
 if args["impl"] == "cpuflash":
-    cpuflash.attention(q, k, v, causal=args["causal"], out=out)
+    cpuflash.attention(q, k, v, out=out, **opts)
 elif args["impl"] == "cpuflash-grad":
     del grads  # the call returns fresh gradients: same bytes as those just freed
-    grads = cpuflash.attention_backward(dout, q, k, v, out, lse, causal=args["causal"])
+    grads = cpuflash.attention_backward(dout, q, k, v, out, lse, **opts)
 elif args["impl"] == "torch":
     out = run(q, k, v, args["causal"])
 else:
@@ -266,13 +275,16 @@ print(json.dumps({"growth_bytes": (after - before) * 1024 - fresh}))
 """
 
 
-def peak_memory_growth(b, h, n, d, causal=False, impl="cpuflash"):
+def peak_memory_growth(b, h, n, d, causal=False, impl="cpuflash", every_option=False):
     """Peak RSS growth in bytes of one call in a fresh process, beyond its inputs and outputs
     and the loaded kernels. ``impl``: "cpuflash" (forward; q/k/v/out exist beforehand),
     "cpuflash-grad" (backward; q/k/v/dout/out/lse and gradient-sized arrays exist beforehand,
     and are freed just before the call, which makes new gradients of the same size), "naive",
-    "torch" (torch's SDPA; its fresh output is not counted)."""
-    args = json.dumps({"b": b, "h": h, "n": n, "d": d, "causal": causal, "impl": impl})
+    "torch" (torch's SDPA; its fresh output is not counted). ``every_option`` (cpuflash only):
+    causal, a window of N/4 keys, kv_lens, ALiBi, softcap, dropout and a key-padding mask at
+    once, in place of ``causal``."""
+    args = json.dumps({"b": b, "h": h, "n": n, "d": d, "causal": causal, "impl": impl,
+                       "every_option": every_option})
     env = dict(os.environ)
     proc = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT, args], capture_output=True,
                           text=True, env=env, timeout=600)
