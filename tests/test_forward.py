@@ -138,3 +138,21 @@ def test_against_torch_when_installed():
     ours = cpuflash.attention(q, k, v, causal=True)
     err_t, err_o = np.abs(theirs - ref).max(), np.abs(ours - ref).max()
     assert err_o <= 2 * err_t + 1e-6, (err_o, err_t)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_values_read_in_place_equal_the_packed_copy(causal):
+    """A contiguous V whose rows already have the packed layout (one panel wide, whole key
+    tiles) is read in place; a read-only or strided V of the same values is packed. Both give
+    the same bits."""
+    n = 2 * config.block_k(64)
+    q, k, v = rands((1, 2, n, 64), (1, 2, n, 64), (1, 2, n, 64))
+    in_place = cpuflash.attention(q, k, v, causal=causal)
+    read_only = v.copy()
+    read_only.flags.writeable = False
+    strided = np.empty((1, 2, n, 128), dtype=v.dtype)[..., ::2]
+    strided[...] = v
+    for other in (read_only, strided):
+        assert np.array_equal(cpuflash.attention(q, k, other, causal=causal), in_place)
+    assert_close_to_reference(in_place, reference.attention(q, k, v, causal=causal), q, k, v,
+                              causal=causal)
