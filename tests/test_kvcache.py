@@ -108,6 +108,26 @@ def test_append_is_in_place_and_views_share_storage():
     assert list(cache.lengths) == [0, 0]
 
 
+def test_storage_starts_on_a_cache_line():
+    """K/V rows are whole AVX-512 vectors that never straddle two cache lines."""
+    for dtype in (np.float32, np.float16, np.int8):
+        cache = cpuflash.KVCache(2, 1, 2, 1000, D, dtype=dtype)
+        for x in (cache.k_t, cache.v):
+            assert x.ctypes.data % 64 == 0 and x.flags.c_contiguous and not x.any()
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.int8])
+def test_prefetch_hints_change_no_bit(dtype, monkeypatch):
+    """float16/int8 caches prefetch K/V ahead in the tile products: the same bits without."""
+    n_k = 5 * decode.CHUNK + 7  # the hints run past the last chunk and the array's end
+    cache = cpuflash.KVCache(1, 1, 2, n_k, D, dtype=dtype)
+    cache.append(0, rand((1, 2, n_k, D), seed=5), rand((1, 2, n_k, D), seed=6))
+    q = rand((1, 8, 1, D), seed=7)
+    hinted = cache.attention(0, q)
+    monkeypatch.setattr(decode, "PREFETCH_CACHES", False)
+    np.testing.assert_array_equal(cache.attention(0, q), hinted)
+
+
 def test_empty_layer_gives_zeros():
     cache = cpuflash.KVCache(1, 1, 1, 8, D)
     out = cache.attention(0, rand((1, 1, 1, D)))

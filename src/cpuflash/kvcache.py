@@ -45,6 +45,17 @@ def quantize_int8(x, *, name="x"):
     return x8, scale
 
 
+def _zeros_aligned(shape, dtype, align=64):
+    """``np.zeros(shape, dtype)`` starting on an ``align``-byte boundary. A large numpy array
+    comes from malloc's mmap, 16 bytes past a page start, so every AVX-512 load of a K/V row
+    would straddle two cache lines (measured: a float32 decode step 5 % slower)."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    raw = np.zeros(nbytes + align, np.uint8)
+    start = -raw.ctypes.data % align
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
 def _count(name, x, minimum=1):
     if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral):
         raise TypeError(f"{name}: expected an int, got {type(x).__name__}")
@@ -81,8 +92,8 @@ class KVCache:
             raise TypeError(f"dtype: expected one of float32, float64, float16, int8, got {dtype}")
         self.dtype = dtype
         self.max_len = max_len
-        self.k_t = np.zeros((layers, batch, kv_heads, head_dim, max_len), dtype)  # K^T
-        self.v = np.zeros((layers, batch, kv_heads, max_len, v_head_dim), dtype)
+        self.k_t = _zeros_aligned((layers, batch, kv_heads, head_dim, max_len), dtype)  # K^T
+        self.v = _zeros_aligned((layers, batch, kv_heads, max_len, v_head_dim), dtype)
         self.lengths = np.zeros(layers, dtype=np.int64)  # tokens held by each layer
         if dtype == np.int8:
             self.k_scale = np.zeros(self.v.shape[:-1], np.float32)

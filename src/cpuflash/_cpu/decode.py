@@ -26,7 +26,7 @@ from .tasks import unravel
 from .dropout import dropout_row
 from .masking import apply_user_mask, row_band
 from .scores import modify_row
-from .tiles import online_softmax, rescale_add, tile_product
+from .tiles import online_softmax, rescale_add, tile_product, tile_product_ahead
 
 LN2 = math.log(2.0)
 LOG2_E = 1.0 / LN2
@@ -34,6 +34,12 @@ LOG2_E = 1.0 / LN2
 # P @ V call) is paid once per chunk (measured at Nk = 32768: 16 keys 51 ns/key, 128 keys
 # 28 ns/key with the folded dot products). A multiple of every lane count.
 CHUNK = 128
+# Chunks ahead that a float16/int8 cache's K and V rows are prefetched, spread over the tile
+# products (measured at Nk = 32768, one thread: 13.3 ns per key with none, 11.7 with the next
+# chunk, 10-11 with the next-but-one or further). A float32 cache is bandwidth-bound: the hints
+# only add instructions there (17.6-18.0 ns per key without, 19-21 with), so it gets none.
+AHEAD = 2
+PREFETCH_CACHES = True  # the hints for float16/int8 caches (a switch for the tests)
 KEYS_PER_SPLIT = 1024  # a split's keys: enough work per task, splits enough for the threads
 MAX_SPLITS = 64        # caps the partial results: at most 64 * (B, Hq, Nq, Dv), whatever Nk
 MAX_NQ = 16            # attention() takes this path for Nq up to this
@@ -116,7 +122,7 @@ def chunk_scores(s, q_s, rows, d, d_vec, kf, k_off, k_step, n_c, k_buf):
 
 
 @kernel
-def decode(q, kf, k_strides, k_storage, vf, v_strides, k_scale, ks_strides, v_scale,
+def decode(q, kf, k_strides, k_storage, prefetch, vf, v_strides, k_scale, ks_strides, v_scale,
            vs_strides, n_hkv, n_k, d, dv, n_splits, scale2, left, right, kv_lens, softcap2,
            slopes2, mask, mask_given, mask_is_bool, drop_below, seed, m_part, l_part, acc_part):
     """q: (B, Hq, Nq, D) any strides, compute dtype. kf, vf: 1-D views from the first element
@@ -125,6 +131,7 @@ def decode(q, kf, k_strides, k_storage, vf, v_strides, k_scale, ks_strides, v_sc
     s3)``: ``s3 = 1`` (rows of K contiguous, scores by ``vdot_keys``) or ``s2 = 1`` (K
     transposed, keys contiguous, scores by the tile product); ``v_strides`` likewise with
     ``s3 = 1``. ``k_storage``: whether K is in a storage type (not the compute dtype).
+    ``prefetch``: whether the tile products hint K and V ``AHEAD`` chunks ahead.
     k_scale, v_scale: int8 dequantization scales, 1-D views with strides ``ks_strides``,
     ``vs_strides`` over (b, h, j) (``K = kf * k_scale``), or empty arrays when K/V are floats.
     left, right, kv_lens: the band of keys each row sees (masking.py); the splits divide the
@@ -178,8 +185,12 @@ def decode(q, kf, k_strides, k_storage, vf, v_strides, k_scale, ks_strides, v_sc
             n_c = min(CHUNK, j_stop - c0)
             if keys_unit:  # S = Q K^T as a register-blocked product: keys along the lanes
                 n_vec = n_c // lanes * lanes
-                tile_product(s, 0, CHUNK, q_s, 0, d, 1, kf, k_head + c0, k_strides[3], 1, rows,
-                             n_vec, d, False, False)
+                if prefetch:
+                    tile_product_ahead(s, 0, CHUNK, q_s, 0, d, 1, kf, k_head + c0, k_strides[3],
+                                       rows, n_vec, d, AHEAD * CHUNK)
+                else:
+                    tile_product(s, 0, CHUNK, q_s, 0, d, 1, kf, k_head + c0, k_strides[3], 1,
+                                 rows, n_vec, d, False, False)
                 for r in range(rows):
                     for jj in range(n_vec, n_c):
                         s[r * CHUNK + jj] = dot_strided(q_s, r * d, kf, k_head + c0 + jj,
@@ -220,8 +231,13 @@ def decode(q, kf, k_strides, k_storage, vf, v_strides, k_scale, ks_strides, v_sc
                     for jj in range(n_c):
                         s[r * CHUNK + jj] *= v_scale[vs_head + (c0 + jj) * vs_strides[2]]
             if tiled:
-                tile_product(pv, 0, ld, s, 0, CHUNK, 1, vf, v_head + c0 * v_strides[2],
-                             v_strides[2], 1, rows, dv, n_c, False, False)
+                v_off = v_head + c0 * v_strides[2]
+                if prefetch:
+                    tile_product_ahead(pv, 0, ld, s, 0, CHUNK, 1, vf, v_off, v_strides[2], rows,
+                                       dv, n_c, AHEAD * CHUNK * v_strides[2])
+                else:
+                    tile_product(pv, 0, ld, s, 0, CHUNK, 1, vf, v_off, v_strides[2], 1, rows, dv,
+                                 n_c, False, False)
                 rescale_add(acc, pv, ld, rows, alpha_i, False)
             else:
                 for r in range(rows):
@@ -352,7 +368,8 @@ def run_decode(q, k, v, scale, band, mods, user_mask, drop, out=None, kv_scales=
     m_part = np.empty((n_splits, n_b, n_hq, n_q), dtype=dtype)
     l_part = np.empty((n_splits, n_b, n_hq, n_q), dtype=dtype)
     acc_part = np.empty((n_splits, n_b, n_hq, n_q, dv), dtype=dtype)
-    decode(q, k_view[0], k_view[1], k.dtype != dtype, v_view[0], v_view[1], k_scale,
+    prefetch = PREFETCH_CACHES and (k.dtype != dtype or v.dtype != dtype)  # see AHEAD
+    decode(q, k_view[0], k_view[1], k.dtype != dtype, prefetch, v_view[0], v_view[1], k_scale,
            ks_strides, v_scale, vs_strides, n_hkv, n_k, d, dv, n_splits, scale * LOG2_E, left,
            right, kv_lens, softcap2, slopes2, user_mask.view, user_mask.given,
            user_mask.is_bool, drop[0], drop[1], m_part, l_part, acc_part)

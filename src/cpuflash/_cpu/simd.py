@@ -408,7 +408,17 @@ def vexp2(typingctx, v):
 # the register-blocked tile product
 
 
-def _make_gemm(mr, nv, accumulate):
+def _prefetch(builder, ptr):
+    """Hint the line holding ``ptr`` into all cache levels (a read; no fault if out of range)."""
+    i8p = ir.IntType(8).as_pointer()
+    i32 = ir.IntType(32)
+    fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+    fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+    builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(i32, 0), ir.Constant(i32, 3),
+                      ir.Constant(i32, 1)])
+
+
+def _make_gemm(mr, nv, accumulate, prefetch=False):
     """Build ``gemm(c, c_off, ldc, a, a_off, a_rs, a_ks, b, b_off, ldb, k)`` for one tile shape.
 
     ``C[r, :] (+)= sum_k A[r, k] * B[k, :]`` for ``r < mr`` and ``nv`` vectors of columns.
@@ -416,19 +426,22 @@ def _make_gemm(mr, nv, accumulate):
     ``B[k, c]`` is ``b[b_off + k*ldb + c]``, and ``A[r, k]`` is ``a[a_off + r*a_rs + k*a_ks]``
     (``a_ks = 1`` for a row-major A; ``a_rs = 1`` reads a transposed one, as the backward
     pass does for ``P^T @ dO`` and ``dS^T @ Q``).
+
+    ``prefetch``: the gemm takes one more argument, ``pf``, and with each row of B it reads it
+    hints the same row ``pf`` elements further on into the caches: the next tile of a stream
+    (the decode kernel's K/V), one line per hint, spread evenly over the products.
     """
 
-    @intrinsic
-    def gemm(typingctx, c, c_off, ldc, a, a_off, a_rs, a_ks, b, b_off, ldb, k):
+    def typer(c, a, b, n_extra):
         vt = _vec_of(c)
         if vt is None or _vec_of(a) != vt or not _storage_ok(b, vt):  # B: a V cache, say
             return None
         ip = types.intp
-        sig = types.void(c, ip, ip, a, ip, ip, ip, b, ip, ip, ip)
+        sig = types.void(c, ip, ip, a, ip, ip, ip, b, ip, ip, ip, *([ip] * n_extra))
 
         def codegen(context, builder, sig, args):
-            cty, _, _, aty, _, _, _, bty, _, _, _ = sig.args
-            c_arr, c_off, ldc, a_arr, a_off, lda, a_ks, b_arr, b_off, ldb, kdim = args
+            cty, _, _, aty, _, _, _, bty, _, _, _ = sig.args[:11]
+            c_arr, c_off, ldc, a_arr, a_off, lda, a_ks, b_arr, b_off, ldb, kdim = args[:11]
             lvt = context.get_value_type(vt)
             align = vt.dtype.bitwidth // 8
             width = vt.width
@@ -450,6 +463,11 @@ def _make_gemm(mr, nv, accumulate):
             with cgutils.for_range(builder, kdim) as loop:
                 kk = loop.index
                 b_row = builder.gep(b_base, [builder.mul(kk, ldb)])
+                if prefetch:
+                    per_line = 64 // (bty.dtype.bitwidth // 8)
+                    for e in range(0, nv * width, per_line):
+                        _prefetch(builder, builder.gep(
+                            b_row, [builder.add(args[11], ir.Constant(kk.type, e))]))
                 b_vecs = [_load_cvt(builder, builder.gep(
                     b_row, [ir.Constant(kk.type, v * width)]), bty, lvt) for v in range(nv)]
                 for r in range(mr):
@@ -465,6 +483,17 @@ def _make_gemm(mr, nv, accumulate):
             return context.get_dummy_value()
 
         return sig, codegen
+
+    if prefetch:
+        @intrinsic
+        def gemm_pf(typingctx, c, c_off, ldc, a, a_off, a_rs, a_ks, b, b_off, ldb, k, pf):
+            return typer(c, a, b, 1)
+
+        return gemm_pf
+
+    @intrinsic
+    def gemm(typingctx, c, c_off, ldc, a, a_off, a_rs, a_ks, b, b_off, ldb, k):
+        return typer(c, a, b, 0)
 
     return gemm
 
