@@ -156,3 +156,26 @@ def test_values_read_in_place_equal_the_packed_copy(causal):
         assert np.array_equal(cpuflash.attention(q, k, other, causal=causal), in_place)
     assert_close_to_reference(in_place, reference.attention(q, k, v, causal=causal), q, k, v,
                               causal=causal)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("n,d", [(1, 16), (130, 64), (256, 128), (77, 24)])
+def test_contiguous_packing_equals_the_strided_packing(dtype, n, d):
+    """The packers' fast paths for C-contiguous K/V (register transposes of whole panels, vector
+    copies, NaN/Inf zeroed for the backward pass) write the bits of the any-stride loops,
+    padding keys and all."""
+    from cpuflash._cpu import pack
+    block_k, lanes, width = config.block_k(d), config.lanes(np.dtype(dtype)), config.panel_width(
+        np.dtype(dtype))
+    k = rand((2, 3, n, d), seed=4).astype(dtype)
+    k[0, 1, n // 2, d // 2], k[1, 2, 0, 0] = np.nan, -np.inf
+    strided = np.empty((2, 3, n, 2 * d), dtype)[..., ::2]
+    strided[...] = k
+    fast = pack.packed_transposed(k, block_k, width, "test_fast").copy()
+    assert np.array_equal(pack.packed_transposed(strided, block_k, width, "test_slow"), fast,
+                          equal_nan=True)
+    for zero_nonfinite in (False, True):
+        fast = pack.packed_rows(k, block_k, lanes, width, "test_fast", zero_nonfinite).copy()
+        slow = pack.packed_rows(strided, block_k, lanes, width, "test_slow", zero_nonfinite)
+        assert np.array_equal(slow, fast, equal_nan=True)
+        assert np.isfinite(fast).all() == zero_nonfinite

@@ -16,6 +16,7 @@ import threading
 import numpy as np
 from numba import prange
 
+from . import simd
 from ._jit import kernel
 from .tasks import unravel
 
@@ -41,6 +42,65 @@ def pack_keys_transposed(k, block_k, w, kt):
                 for jj in range(width):
                     j = p0 + jj
                     kt[bh, kb, row + jj] = k[b, h, j0 + j, dd] if j < n_valid else 0.0
+
+
+@kernel
+def pack_keys_transposed_contiguous(k, block_k, w, kt):
+    """``pack_keys_transposed`` for a C-contiguous ``k``: flat indices and no test per element
+    and, where a panel is whole, ``lanes x lanes`` blocks transposed in registers (measured
+    at B=1, H=8, N=512, D=128: 0.47 -> 0.09 ms; N=2048: 0.81 -> 0.45 ms)."""
+    n_b, n_h, n_k, d = k.shape
+    n_blocks = kt.shape[1]
+    kf = k.reshape(-1)
+    ktf = kt.reshape(-1)
+    lanes = simd.lanes_of(ktf)
+    for task in prange(n_b * n_h * n_blocks):
+        bh, kb = task // n_blocks, task % n_blocks
+        j0 = kb * block_k
+        n_valid = min(block_k, n_k - j0)
+        tile = task * (d * block_k)
+        for p0 in range(0, block_k, w):
+            width = min(w, block_k - p0)
+            inside = max(0, min(width, n_valid - p0))  # keys of this panel before Nk
+            src = (bh * n_k + j0 + p0) * d
+            panel = tile + p0 * d
+            if inside == width and width % lanes == 0 and d % lanes == 0:
+                for jj in range(0, width, lanes):  # lanes x lanes blocks, in registers
+                    for dd in range(0, d, lanes):
+                        simd.transpose_block(kf, src + jj * d + dd, d, ktf,
+                                             panel + dd * width + jj, width)
+                continue
+            for dd in range(d):
+                row = panel + dd * width
+                for jj in range(inside):
+                    ktf[row + jj] = kf[src + jj * d + dd]
+                for jj in range(inside, width):
+                    ktf[row + jj] = 0.0
+
+
+@kernel
+def pack_values_contiguous(v, block_k, w, zero_nonfinite, vt):
+    """``pack_values`` for a C-contiguous ``v`` whose rows are whole vectors (``dv_pad = Dv``):
+    each panel row a few vector copies (measured at B=1, H=8, N=512, D=128: 0.31 -> 0.07 ms)."""
+    n_b, n_h, n_k, dv = v.shape
+    n_blocks = vt.shape[1]
+    lanes = simd.lanes_of(vt)
+    zero = simd.vsplat(vt, 0.0)
+    for task in prange(n_b * n_h * n_blocks):
+        bh, kb = task // n_blocks, task % n_blocks
+        j0 = kb * block_k
+        n_valid = min(block_k, n_k - j0)
+        tile = task * (block_k * dv)
+        for c0 in range(0, dv, w):
+            width = min(w, dv - c0)
+            for j in range(block_k):
+                dst = tile + c0 * block_k + j * width
+                src = (bh * n_k + j0 + j) * dv + c0
+                for cc in range(0, width, lanes):
+                    x = simd.vload(v, src + cc) if j < n_valid else zero
+                    if zero_nonfinite:  # x - x is 0 for a finite x, NaN for NaN and Inf
+                        x = simd.vselect_nonzero(simd.vsub(x, x), zero, x)
+                    simd.vstore(vt, dst + cc, x)
 
 
 @kernel
@@ -103,7 +163,9 @@ def packed_transposed(x, block_k, panel_width, name):
     n_b, n_h, n, d = x.shape
     n_blocks = max(1, -(-n // block_k))
     xt = _buffer(name, (n_b * n_h, n_blocks, d * block_k), x.dtype)
-    if xt.size:
+    if xt.size and x.flags.c_contiguous:
+        pack_keys_transposed_contiguous(x, block_k, panel_width, xt)
+    elif xt.size:
         pack_keys_transposed(x, block_k, panel_width, xt)
     return xt
 
@@ -125,7 +187,9 @@ def packed_rows(x, block_k, lanes, panel_width, name, zero_nonfinite=False):
         # the copy was 3 % of the call).
         return x.reshape(n_b * n_h, n_blocks, block_k * d)
     xr = _buffer(name, (n_b * n_h, n_blocks, block_k * d_pad), x.dtype)
-    if xr.size:
+    if xr.size and d == d_pad and x.flags.c_contiguous:
+        pack_values_contiguous(x, block_k, panel_width, zero_nonfinite, xr)
+    elif xr.size:
         pack_values(x, block_k, d_pad, panel_width, zero_nonfinite, xr)
     return xr
 

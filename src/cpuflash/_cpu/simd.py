@@ -575,6 +575,53 @@ def vdot_keys(typingctx, q, q_off, k, k_off, k_stride, d_vec):
 
 
 @intrinsic
+def transpose_block(typingctx, src, src_off, src_ld, dst, dst_off, dst_ld):
+    """``dst[dst_off + c*dst_ld + r] = src[src_off + r*src_ld + c]`` for ``r, c < W``: one
+    ``W x W`` block transposed in registers (``W`` rows loaded, ``log2(W)`` rounds of ``W``
+    two-vector shuffles, ``W`` rows stored), for packing K as ``K^T`` tiles.
+
+    Each round swaps the off-diagonal ``h x h`` sub-blocks of every ``2h x 2h`` block (h = W/2,
+    ..., 1); all rounds together transpose the whole block."""
+    vt = _vec_of(dst)
+    if vt is None or _vec_of(src) != vt:
+        return None
+    ip = types.intp
+
+    def codegen(context, builder, sig, args):
+        src_arr, src_off, src_ld, dst_arr, dst_off, dst_ld = args
+        lvt = context.get_value_type(vt)
+        w = vt.width
+        align = vt.dtype.bitwidth // 8
+        s_base = _elem_ptr(context, builder, sig.args[0], src_arr, src_off)
+        d_base = _elem_ptr(context, builder, sig.args[3], dst_arr, dst_off)
+
+        def row_ptr(base, ld, r):
+            return _vec_ptr(builder, builder.gep(base, [builder.mul(ld, ir.Constant(ld.type, r))]),
+                            lvt)
+
+        rows = [builder.load(row_ptr(s_base, src_ld, r), align=align) for r in range(w)]
+        i32 = ir.IntType(32)
+        h = w // 2
+        while h >= 1:
+            # in the concatenation (row_i, row_i+h): lane c of row i+h is lane w + c
+            top = [c if (c // h) % 2 == 0 else w + c - h for c in range(w)]
+            bottom = [c + h if (c // h) % 2 == 0 else w + c for c in range(w)]
+            top_m = ir.Constant(ir.VectorType(i32, w), top)
+            bottom_m = ir.Constant(ir.VectorType(i32, w), bottom)
+            for i in range(w):
+                if (i // h) % 2 == 0:
+                    a, b = rows[i], rows[i + h]
+                    rows[i] = builder.shuffle_vector(a, b, top_m)
+                    rows[i + h] = builder.shuffle_vector(a, b, bottom_m)
+            h //= 2
+        for r in range(w):
+            builder.store(rows[r], row_ptr(d_base, dst_ld, r), align=align)
+        return context.get_dummy_value()
+
+    return types.void(src, ip, ip, dst, ip, ip), codegen
+
+
+@intrinsic
 def lanes_of(typingctx, arr):
     """Lanes of one vector of ``arr``'s element type (a compile-time constant)."""
     vt = _vec_of(arr)
