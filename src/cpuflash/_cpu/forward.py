@@ -38,7 +38,7 @@ from .masking import (HIDDEN, MIXED, apply_user_mask, mask_tile, tile_key_range,
                       tile_needs_mask)
 from .dropout import dropout_row
 from .scores import modify_row
-from .tiles import online_softmax, rescale_add, row_max, tile_product
+from .tiles import divide_row, online_softmax, rescale_add, row_max, tile_product
 
 LN2 = math.log(2.0)
 LOG2_E = 1.0 / LN2
@@ -75,6 +75,7 @@ def forward(q, kt, vt, block_q, scale2, left, right, kv_lens, softcap2, slopes2,
     n_qb = (n_q + block_q - 1) // block_q
     kt_flat = kt.reshape(-1)
     vt_flat = vt.reshape(-1)
+    out_flat = out.reshape(-1)  # C-contiguous
     tile_k = d * block_k
     tile_v = block_k * dv_pad
     # Score rows one vector longer than the tile: rows a power of two apart (1 KiB at 256 keys)
@@ -146,11 +147,11 @@ def forward(q, kt, vt, block_q, scale2, left, right, kv_lens, softcap2, slopes2,
         for r in range(rows):
             if l_i[r] == 0.0:  # the row sees no key: output 0, lse -inf
                 for c in range(dv):
-                    out[b, h, q0 + r, c] = 0.0
+                    out_flat[((b * n_hq + h) * n_q + q0 + r) * dv + c] = 0.0
                 lse[b, h, q0 + r] = -np.inf
-            else:
-                for c in range(dv):  # a true division: one rounding, not two
-                    out[b, h, q0 + r, c] = acc[r * dv_pad + c] / l_i[r]
+            else:  # a true division: one rounding, not two
+                divide_row(out_flat, ((b * n_hq + h) * n_q + q0 + r) * dv, acc, r * dv_pad, dv,
+                           l_i[r], portable)
                 lse[b, h, q0 + r] = (m_i[r] + np.log2(l_i[r])) * LN2
 
 

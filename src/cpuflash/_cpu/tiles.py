@@ -256,6 +256,21 @@ def rescale_add(acc, tile, ld, rows, alpha_i, portable):
 
 
 @helper
+def divide_row(dst, dst_off, src, src_off, n, divisor, portable):
+    """``dst[dst_off:dst_off+n] = src[src_off:src_off+n] / divisor``, a true division (one
+    rounding) in vectors, then a scalar tail: the forward pass's ``out = acc / l``."""
+    start = 0
+    if not portable:
+        lanes = simd.lanes_of(dst)
+        start = n // lanes * lanes
+        div_v = simd.vsplat(dst, divisor)
+        for c in range(0, start, lanes):
+            simd.vstore(dst, dst_off + c, simd.vdiv(simd.vload(src, src_off + c), div_v))
+    for c in range(start, n):
+        dst[dst_off + c] = src[src_off + c] / divisor
+
+
+@helper
 def softmax_grad_row(p, dp, off, n, delta, portable):
     """``dp[off:off+n] = p * (dp - delta)``: dS from dP for one row (``delta = rowsum(dO * O)``),
     and exactly 0 where ``p == 0``: a masked key's dP may be NaN (garbage values past kv_lens)
