@@ -135,7 +135,7 @@ REUSE_MAX_BYTES = 16 << 20
 _workspace = threading.local()
 
 
-def _buffer(name, shape, dtype):
+def workspace(name, shape, dtype):
     size = int(np.prod(shape))
     if size * np.dtype(dtype).itemsize > REUSE_MAX_BYTES:
         return np.empty(shape, dtype=dtype)
@@ -162,7 +162,7 @@ def packed_transposed(x, block_k, panel_width, name):
     """(B, H, N, D) -> (B*H, n_blocks, D * block_k): tiles transposed to (D, block_k), panels."""
     n_b, n_h, n, d = x.shape
     n_blocks = max(1, -(-n // block_k))
-    xt = _buffer(name, (n_b * n_h, n_blocks, d * block_k), x.dtype)
+    xt = workspace(name, (n_b * n_h, n_blocks, d * block_k), x.dtype)
     if xt.size and x.flags.c_contiguous:
         pack_keys_transposed_contiguous(x, block_k, panel_width, xt)
     elif xt.size:
@@ -186,7 +186,7 @@ def packed_rows(x, block_k, lanes, panel_width, name, zero_nonfinite=False):
         # own (D=64 float32 on AVX-512, say), so it is read in place (measured at N=512, D=64:
         # the copy was 3 % of the call).
         return x.reshape(n_b * n_h, n_blocks, block_k * d)
-    xr = _buffer(name, (n_b * n_h, n_blocks, block_k * d_pad), x.dtype)
+    xr = workspace(name, (n_b * n_h, n_blocks, block_k * d_pad), x.dtype)
     if xr.size and d == d_pad and x.flags.c_contiguous:
         pack_values_contiguous(x, block_k, panel_width, zero_nonfinite, xr)
     elif xr.size:
