@@ -17,7 +17,7 @@ import numpy as np
 from numba import prange
 
 from . import simd
-from ._jit import kernel
+from ._jit import helper, kernel
 from .tasks import unravel
 
 
@@ -44,6 +44,15 @@ def pack_keys_transposed(k, block_k, w, kt):
                     kt[bh, kb, row + jj] = k[b, h, j0 + j, dd] if j < n_valid else 0.0
 
 
+@helper
+def key_tile(task, n_blocks, block_k, n_k):
+    """A packing task's (batch * head) index, its key tile's first key and how many of the
+    tile's keys come before ``Nk``."""
+    bh, kb = task // n_blocks, task % n_blocks
+    j0 = kb * block_k
+    return bh, j0, min(block_k, n_k - j0)
+
+
 @kernel
 def pack_keys_transposed_contiguous(k, block_k, w, kt):
     """``pack_keys_transposed`` for a C-contiguous ``k``: flat indices and no test per element
@@ -55,9 +64,7 @@ def pack_keys_transposed_contiguous(k, block_k, w, kt):
     ktf = kt.reshape(-1)
     lanes = simd.lanes_of(ktf)
     for task in prange(n_b * n_h * n_blocks):
-        bh, kb = task // n_blocks, task % n_blocks
-        j0 = kb * block_k
-        n_valid = min(block_k, n_k - j0)
+        bh, j0, n_valid = key_tile(task, n_blocks, block_k, n_k)
         tile = task * (d * block_k)
         for p0 in range(0, block_k, w):
             width = min(w, block_k - p0)
@@ -87,9 +94,7 @@ def pack_values_contiguous(v, block_k, w, zero_nonfinite, vt):
     lanes = simd.lanes_of(vt)
     zero = simd.vsplat(vt, 0.0)
     for task in prange(n_b * n_h * n_blocks):
-        bh, kb = task // n_blocks, task % n_blocks
-        j0 = kb * block_k
-        n_valid = min(block_k, n_k - j0)
+        bh, j0, n_valid = key_tile(task, n_blocks, block_k, n_k)
         tile = task * (block_k * dv)
         for c0 in range(0, dv, w):
             width = min(w, dv - c0)
