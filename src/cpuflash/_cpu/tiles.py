@@ -114,7 +114,6 @@ def tile_product(c, c_off, ldc, a, a_off, a_rs, a_ks, b, b_off, b_ld, b_panel, r
                            b, panel, ldb, k, width // lanes, accumulate)
 
 
-
 @helper
 def tile_product_ahead(c, c_off, ldc, a, a_off, a_rs, a_ks, b, b_off, b_ld, rows, cols, k,
                        ahead):
@@ -122,8 +121,9 @@ def tile_product_ahead(c, c_off, ldc, a, a_off, a_rs, a_ks, b, b_off, b_ld, rows
     row-major B with row stride ``b_ld``), prefetching every row of B it reads ``ahead``
     elements further on as well: for B streamed once from far caches, the decode kernel's K
     and V, where the hardware prefetcher does not keep up with the many rows of a transposed K
-    (measured at Nk = 32768 with a float16 cache: a step 15-20 % faster with the next-but-one
-    chunk hinted; with float32 it is bandwidth-bound and the hints only cost)."""
+    (measured at Nk = 32768 with a float16 cache, one thread: the chunk loop 15-20 % faster
+    with the next-but-one chunk hinted; with float32 it is bandwidth-bound and the hints only
+    cost)."""
     lanes = simd.lanes_of(c)
     step = MAX_VECS * lanes
     whole = rows // MR * MR
@@ -135,6 +135,7 @@ def tile_product_ahead(c, c_off, ldc, a, a_off, a_rs, a_ks, b, b_off, b_ld, rows
         for r in range(whole, rows):
             _micro_ahead_row(c, c_off + r * ldc + c0, ldc, a, a_off + r * a_rs, a_rs, a_ks,
                              b, b_off + c0, b_ld, k, nv, ahead)
+
 
 # Probabilities below 2^-64 of their row's total are set to 0 in the backward pass: they change
 # no gradient by a float32 ulp, and products of them (dS = P * (dP - delta), then dS @ K)
