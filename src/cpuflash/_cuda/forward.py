@@ -31,10 +31,14 @@ from .tiles import (
     LOG2_E,
     NEG_INF,
     ONE,
-    SHARED_FLOATS,
     ZERO,
+    column,
+    column_offset,
     first_key,
     forward_shape,
+    group_width,
+    aligned,
+    index_mask,
     last_key,
     pad8,
     score_lines,
@@ -42,6 +46,8 @@ from .tiles import (
     shfl_sync,
     shfl_xor_sync,
     signature,
+    tile_fetch,
+    tile_store,
 )
 
 cuda = load()
@@ -51,8 +57,8 @@ TEMPLATE = """
 def forward(q, k, v, scale2, left, right, kv_lens, softcap2, slopes2, out, lse):
     n_hq, n_q, d = q.shape[1], q.shape[2], q.shape[3]
     n_hkv, dv = k.shape[1], v.shape[3]
-    qs = cuda.shared.array(Q_SIZE, float32)    # Q^T: [c * BM + r] (stored once: plain)
-    kvs = cuda.shared.array(KV_SIZE, float32)  # K^T [c * LDK + j] for S, then V for P @ V
+    qs = cuda.shared.array(Q_SIZE, float32@aligned)    # Q^T: [c * BM + r]
+    kvs = cuda.shared.array(KV_SIZE, float32@aligned)  # K^T (rotated), then V [j * DV + c]
     tid = int64(cuda.threadIdx.x)  # special registers are unsigned: mixed with int64
     #  they would promote to float64
     tx = tid % 8
@@ -69,6 +75,8 @@ def forward(q, k, v, scale2, left, right, kv_lens, softcap2, slopes2, out, lse):
     off = kv_len - n_q
     cap_inv = ONE / softcap2 if softcap2 != ZERO else ZERO
     slope2 = slopes2[b, h]
+    kh = k[b, hk]
+    vh = v[b, hk]
 
     for e in range(tid, BM * DK, NT):
         r = e // DK
@@ -76,7 +84,7 @@ def forward(q, k, v, scale2, left, right, kv_lens, softcap2, slopes2, out, lse):
         x = ZERO
         if r < rows and c < d:
             x = float32(q[b, h, q0 + r, c]) * scale2
-        qs[c * BM + r] = x
+        qs[(c * BM + r) & ANY] = x
 
     # keys that some row of the block sees: [lo, hi] (the band is monotonic in the row)
     @band
@@ -84,20 +92,17 @@ def forward(q, k, v, scale2, left, right, kv_lens, softcap2, slopes2, out, lse):
     kb_hi = hi // BN + 1 if hi >= lo else kb_lo
     @init
 
+    k0 = kb_lo * BN
+    @fetch_k
     for kb in range(kb_lo, kb_hi):
         k0 = kb * BN
         cuda.syncthreads()  # Q stored / the last tile's V reads done
-        for e in range(tid, BN * DK, NT):
-            j = e // DK
-            c = e % DK
-            x = ZERO
-            if lo <= k0 + j and k0 + j <= hi and c < d:  # unseen keys: 0, so NaN stays out
-                x = float32(k[b, hk, k0 + j, c])
-            kvs[@kt_store] = x
+        @store_k
         cuda.syncthreads()
+        @fetch_v
 
         @zero_s
-        for kk in range(DK):  # S = Q K^T: TM x TN outer products per step
+        for kq in range(0, DK, 4):  # S = Q K^T: TM x TN outer products per dim
             @s_step
 
         edge = k0 < first_hi or k0 + BN - 1 > last_lo  # the tile crosses the band's edge
@@ -106,16 +111,11 @@ def forward(q, k, v, scale2, left, right, kv_lens, softcap2, slopes2, out, lse):
         @softmax
 
         cuda.syncthreads()  # K^T reads done: the buffer takes V
-        for e in range(tid, BN * DV, NT):
-            j = e // DV
-            c = e % DV
-            x = ZERO
-            if lo <= k0 + j and k0 + j <= hi and c < dv:
-                x = float32(v[b, hk, k0 + j, c])
-            kvs[j * DV + c] = x
+        @store_v
         cuda.syncthreads()
+        @fetch_next_k
 
-        for t in range(8):  # P @ V: key t + 8c of the tile is held by lane base + t
+        for t in range(8):  # P @ V: the keys of lane base + t, P from it by shuffles
             @pv
 
     @store
@@ -130,17 +130,13 @@ def make_forward(d_pad, dv_pad, mods):
     TY, TM, TN = forward_shape(d_pad, dv_pad)
     NT, BM, BN = 8 * TY, TY * TM, 8 * TN
     DK, DV, CV = d_pad, dv_pad, dv_pad // 8
-    # K^T rows padded by one word when that fits (affine reads, conflict-free stores), else
-    # rotated by their column: [c * BN + ((j + c) & (BN - 1))]
-    LDK = BN + 1 if DK * BM + max(DK * (BN + 1), BN * DV) <= SHARED_FLOATS else BN
-    Q_SIZE, KV_SIZE = DK * BM, max(DK * LDK, BN * DV)
+    WK, WV = group_width(TN), group_width(CV)  # columns side by side: vector reads
+    Q_SIZE, KV_SIZE = DK * BM, max(DK * BN, BN * DV)
     shared_size(Q_SIZE, KV_SIZE)
-
-    def kt_read(c):
-        if LDK > BN:
-            return f"kk * LDK + tx + {8 * c}"
-        return f"kk * BN + ((tx + {8 * c} + kk) & (BN - 1))"
-    kt_store = "c * LDK + j" if LDK > BN else "c * BN + ((j + c) & (BN - 1))"
+    # K^T row c holds key j at (j + 4 * (c // 4)) mod BN: the transposing stores of a warp
+    # (consecutive c) spread over 8 banks, a thread's WK neighbouring keys stay neighbours,
+    # and the four rows of an S step share one rotation
+    kt_index = "{c} * BN + (({j} + ({c} & -4)) & (BN - 1))"
     rows = rep("r{i} = q0 + ty * TM + {i}", i=TM)
     softmax = []
     for i in range(TM):
@@ -160,7 +156,7 @@ def make_forward(d_pad, dv_pad, mods):
                            for i in range(TM)))
     for i in range(TM):
         for c in range(TN):
-            scores += score_lines(f"s{i}_{c}", f"r{i}", f"k0 + tx + {8 * c}", f"first{i}",
+            scores += score_lines(f"s{i}_{c}", f"r{i}", f"k0 + {column(c, WK)}", f"first{i}",
                                   f"last{i}", mods)
     band = [f"lo = {first_key('q0')}", f"hi = {last_key('q0 + rows - 1')}",
             f"last_lo = {last_key('q0')}  # the smallest last key",
@@ -170,29 +166,46 @@ def make_forward(d_pad, dv_pad, mods):
         store += [f"if r{i} < n_q:",
                   f"    seen = l{i} != ZERO  # a row that sees no key: output 0, lse -inf",
                   f"    inv_l = ONE / l{i} if seen else ZERO"]
-        store += rep(f"    if tx + {{cc8}} < dv: out[b, h, r{i}, tx + {{cc8}}] = a{i}_{{cc}} "
-                     "* inv_l", cc=CV)
+        for cc in range(CV):
+            col = column(cc, WV)
+            store += [f"    if {col} < dv: out[b, h, r{i}, {col}] = a{i}_{cc} * inv_l"]
         store += [(f"    if tx == 0: lse[b, h, r{i}] = (m{i} + math.log2(l{i})) * LN2 "
                   "if seen else NEG_INF")]
+    # S step, four dims at a time: Q^T rows kq..kq+3 (this thread's TM rows side by side) and
+    # K^T rows kq..kq+3 (its TN keys in groups of WK side by side, rotated as kt_index stores
+    # them: the same rotation for the four rows, so each load is a base plus a constant)
+    s_step = [f"qa = (kq * BM + ty * TM) & {index_mask(group_width(TM))}"]
+    for g in range(TN // WK):
+        s_step += [f"ka{g} = (kq * BN + ((WK * tx + {8 * WK * g} + kq) & (BN - 1))) "
+                   f"& {index_mask(WK)}"]
+    for u in range(4):
+        s_step += rep(f"qr{{i}} = qs[qa + {u * BM} + {{i}}]", i=TM)
+        s_step += [f"kr{c} = kvs[ka{c // WK} + {u * BN + c % WK}]" for c in range(TN)]
+        s_step += rep("s{i}_{c} += qr{i} * kr{c}", i=TM, c=TN)
+    # P @ V: key column(c) of lane t's P; V row of that key, this thread's CV columns
+    pv = [f"vt = (WK * t * DV + WV * tx) & {index_mask(WV)}"]
+    for c in range(TN):
+        pv += rep(f"p{{i}} = shfl_sync(FULL_MASK, s{{i}}_{c}, base + t)", i=TM)
+        row = column_offset(c, WK) * DV
+        pv += [f"v{cc} = kvs[vt + {row + column_offset(cc, WV)}]" for cc in range(CV)]
+        pv += rep("a{i}_{cc} += p{i} * v{cc}", i=TM, cc=CV)
     source = expand(
         TEMPLATE,
         init=rep("m{i} = NEG_INF", i=TM) + rep("l{i} = ZERO", i=TM)
         + rep("a{i}_{cc} = ZERO", i=TM, cc=CV),
         zero_s=rep("s{i}_{c} = ZERO", i=TM, c=TN),
-        s_step=rep("qr{i} = qs[kk * BM + ty * TM + {i}]", i=TM)
-        + [f"kr{c} = kvs[{kt_read(c)}]" for c in range(TN)]
-        + rep("s{i}_{c} += qr{i} * kr{c}", i=TM, c=TN),
-        scores=scores, softmax=softmax, band=band,
-        pv=join(*(rep(f"p{{i}} = shfl_sync(FULL_MASK, s{{i}}_{c}, base + t)", i=TM)
-                  + join(*(rep(f"v{cc} = kvs[(t + {8 * c}) * DV + tx + {8 * cc}]")
-                           + rep(f"a{{i}}_{cc} += p{{i}} * v{cc}", i=TM) for cc in range(CV)))
-                  for c in range(TN))),
-        store=store).replace("@kt_store", kt_store)
+        s_step=s_step, scores=scores, softmax=softmax, band=band, pv=pv, store=store,
+        fetch_k=tile_fetch("kx", "kh", "d", DK, NT, BN, "k0"),
+        store_k=tile_store("kx", DK, NT, BN, kt_index),
+        fetch_v=tile_fetch("vx", "vh", "dv", DV, NT, BN, "k0"),
+        store_v=tile_store("vx", DV, NT, BN, "{j} * DV + {c}"),
+        fetch_next_k=tile_fetch("kx", "kh", "d", DK, NT, BN, "k0 + BN"),
+    ).replace("@aligned", aligned())
     names = {"cuda": cuda, "math": math, "shfl_sync": shfl_sync,
              "shfl_xor_sync": shfl_xor_sync, "float32": float32, "int64": int64,
              "FULL_MASK": FULL_MASK, "LN2": LN2, "NEG_INF": NEG_INF, "ONE": ONE, "ZERO": ZERO,
              "TM": TM, "BM": BM, "BN": BN, "NT": NT, "DK": DK, "DV": DV, "Q_SIZE": Q_SIZE,
-             "KV_SIZE": KV_SIZE, "MODS": mods, "LDK": LDK}
+             "KV_SIZE": KV_SIZE, "MODS": mods, "WK": WK, "WV": WV, "ANY": index_mask(1)}
     return build(source, "forward", names), NT, BM
 
 

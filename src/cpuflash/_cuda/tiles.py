@@ -67,6 +67,42 @@ def backward_shape(d_pad, dv_pad):
 MAX_HEAD_DIM = 256
 
 
+# Shared-memory indices. Numba indexes arrays with signed int64 and, unless it can prove an
+# index is >= 0, adds "if i < 0: i += n" to every access (five 64-bit instructions per load,
+# measured in the PTX of the first version: the hot loops ran at a tenth of the FMA rate).
+# An index ANDed with a positive mask is provably >= 0: one instruction, and the offsets of
+# the loads that share a base fold into the address. Masks that also clear the low bits
+# (on indices that are multiples of 2 or 4 anyway) let NVVM prove 8- or 16-byte alignment
+# and merge neighbouring loads into ld.shared.v2/v4 (the arrays are 16-byte aligned).
+def index_mask(multiple):
+    """The mask for a shared-memory index that is always a multiple of ``multiple`` (1, 2, 4)
+    and below 2**31: it changes no such index."""
+    return 0x7FFFFFFF & ~(multiple - 1)
+
+
+def aligned():
+    """Source text: the alignment argument of ``cuda.shared.array`` (16 bytes: vector loads;
+    the simulator takes none)."""
+    return "" if simulated() else ", alignment=16"
+
+
+def group_width(n):
+    """Columns a thread holds side by side (so it reads them as one vector): 4, 2 or 1."""
+    return 4 if n % 4 == 0 else 2 if n % 2 == 0 else 1
+
+
+def column(c, width):
+    """Source text: the tile column of a thread's ``c``-th value when each thread of a row
+    group holds ``width`` neighbouring columns per group of ``8 * width``:
+    ``8 * width * (c // width) + width * tx + c % width``."""
+    return f"{width} * tx + {8 * width * (c // width) + c % width}"
+
+
+def column_offset(c, width):
+    """The constant part of ``column``."""
+    return 8 * width * (c // width) + c % width
+
+
 def first_key(i):
     """Source text: the first key row ``i`` sees (bottom-right aligned band, as
     ``_cpu.masking.row_band``); the kernels define ``off = kv_len - n_q``, ``left``, ``right``."""
@@ -115,6 +151,53 @@ def grad_lines(s, dp, row, key, lse2, delta, mods):
     if mods:
         lines += ["    if softcap2 != ZERO:",
                   f"        {dp} *= ONE - tt * tt  # through c * tanh(s / c)"]
+    return lines
+
+
+def tile_elements(pad, threads, keys):
+    """Source text ``(j, c)`` of each element a thread moves of a ``keys x pad`` tile (element
+    ``e = tid + u * threads``, row-major), one per ``u``, and whether ``e`` needs a bound
+    check. When the threads cover whole rows, a thread keeps one column."""
+    count = -(-keys * pad // threads)
+    if threads % pad == 0:
+        step = threads // pad
+        return [(f"tid // {pad} + {u * step}", f"tid % {pad}") for u in range(count)], False
+    if pad % threads == 0:
+        per_row = pad // threads
+        return [(f"{u // per_row}", f"tid + {(u % per_row) * threads}")
+                for u in range(count)], False
+    return [(f"(tid + {u * threads}) // {pad}", f"(tid + {u * threads}) % {pad}")
+            for u in range(count)], keys * pad % threads != 0
+
+
+def tile_fetch(reg, src, width, pad, threads, keys, first):
+    """Source lines: a thread's elements of rows ``first .. first + keys - 1`` of the 2-D
+    view ``src`` (columns below ``width``) into registers ``{reg}0, {reg}1, ...`` as float32;
+    keys outside ``[lo, hi]`` and columns past ``width`` as 0, so a NaN there reaches nothing.
+    Written out in full so that all the loads are in flight at once: fetched a stage ahead of
+    their use, their latency hides behind the arithmetic (a loop that stored each load before
+    the next one waited a round trip per element)."""
+    elements, check = tile_elements(pad, threads, keys)
+    lines = []
+    for u, (j, c) in enumerate(elements):
+        key = f"{first} + {j}"
+        cond = f"lo <= {key} and {key} <= hi and {c} < {width}"
+        if check:
+            cond += f" and tid + {u * threads} < {keys * pad}"
+        lines += [f"{reg}{u} = ZERO", f"if {cond}:",
+                  f"    {reg}{u} = float32({src}[({key}) & ANY, {c}])"]
+    return lines
+
+
+def tile_store(reg, pad, threads, keys, index):
+    """Source lines: the registers of ``tile_fetch`` into shared ``kvs`` at ``index`` (a format
+    string in ``{j}``, ``{c}``)."""
+    elements, check = tile_elements(pad, threads, keys)
+    lines = []
+    for u, (j, c) in enumerate(elements):
+        at = index.format(j=f"({j})", c=f"({c})")
+        store = f"kvs[({at}) & ANY] = {reg}{u}"
+        lines += [f"if tid + {u * threads} < {keys * pad}:", "    " + store] if check else [store]
     return lines
 
 
