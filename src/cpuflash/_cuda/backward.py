@@ -39,6 +39,7 @@ from .tiles import (
     backward_shape,
     first_key,
     grad_lines,
+    index_mask,
     last_key,
     pad8,
     shared_size,
@@ -96,14 +97,14 @@ def dkdv(q, k, v, dout, lse2, delta, scale2, left, right, kv_lens, softcap2, slo
         x = ZERO
         if k0 + j < k1 and c < d:
             x = float32(k[b, hk, k0 + j, c])
-        ks[c * BR + ((j + c) & (BR - 1))] = x
+        ks[(c * BR + ((j + c) & (BR - 1))) & ANY] = x
     for e in range(tid, BR * DV, NT):
         j = e // DV
         c = e % DV
         x = ZERO
         if k0 + j < k1 and c < d_v:
             x = float32(v[b, hk, k0 + j, c])
-        vs[c * BR + ((j + c) & (BR - 1))] = x
+        vs[(c * BR + ((j + c) & (BR - 1))) & ANY] = x
     # queries that see some key of [k0, k1): i + off - left <= k1 - 1, i + off + right >= k0
     i_lo = max(0, k0 - off - right)
     i_hi = min(n_q - 1, k1 - 1 - off + left)
@@ -121,14 +122,14 @@ def dkdv(q, k, v, dout, lse2, delta, scale2, left, right, kv_lens, softcap2, slo
                 x = ZERO
                 if i_lo <= q0 + r and q0 + r <= i_hi and c < d:
                     x = float32(q[b, h, q0 + r, c]) * scale2
-                qs[c * BC + ((r + c) & (BC - 1))] = x
+                qs[(c * BC + ((r + c) & (BC - 1))) & ANY] = x
             for e in range(tid, BC * DV, NT):
                 r = e // DV
                 c = e % DV
                 x = ZERO
                 if i_lo <= q0 + r and q0 + r <= i_hi and c < d_v:
                     x = float32(dout[b, h, q0 + r, c])
-                dos[c * BC + ((r + c) & (BC - 1))] = x
+                dos[(c * BC + ((r + c) & (BC - 1))) & ANY] = x
             cuda.syncthreads()
             @zero
             for kk in range(DK):  # S^T = K Q^T
@@ -165,14 +166,14 @@ def dq_kernel(q, k, v, dout, lse2, delta, scale2, left, right, kv_lens, softcap2
         x = ZERO
         if r < rows and c < d:
             x = float32(q[b, h, q0 + r, c]) * scale2
-        qs[c * BR + ((r + c) & (BR - 1))] = x
+        qs[(c * BR + ((r + c) & (BR - 1))) & ANY] = x
     for e in range(tid, BR * DV, NT):
         r = e // DV
         c = e % DV
         x = ZERO
         if r < rows and c < d_v:
             x = float32(dout[b, h, q0 + r, c])
-        dos[c * BR + ((r + c) & (BR - 1))] = x
+        dos[(c * BR + ((r + c) & (BR - 1))) & ANY] = x
     @rows_stats
     @band
     @init
@@ -185,14 +186,14 @@ def dq_kernel(q, k, v, dout, lse2, delta, scale2, left, right, kv_lens, softcap2
             x = ZERO
             if lo <= k0 + j and k0 + j <= hi and c < d:
                 x = float32(k[b, hk, k0 + j, c])
-            ks[c * BC + ((j + c) & (BC - 1))] = x
+            ks[(c * BC + ((j + c) & (BC - 1))) & ANY] = x
         for e in range(tid, BC * DV, NT):
             j = e // DV
             c = e % DV
             x = ZERO
             if lo <= k0 + j and k0 + j <= hi and c < d_v:
                 x = float32(v[b, hk, k0 + j, c])
-            vs[c * BC + ((j + c) & (BC - 1))] = x
+            vs[(c * BC + ((j + c) & (BC - 1))) & ANY] = x
         cuda.syncthreads()
         @zero
         for kk in range(DK):  # S = Q K^T
@@ -212,11 +213,13 @@ def _blocks(own, other, TM, TN, CK, CV):
     o_k, o_v, x_k, x_v = own + other  # e.g. ("ks", "vs", "qs", "dos")
     return {
         "zero": rep("s{i}_{c} = ZERO", i=TM, c=TN) + rep("dp{i}_{c} = ZERO", i=TM, c=TN),
-        "s_step": rep(f"ar{{i}} = {o_k}[kk * BR + ((ty * TM + {{i}} + kk) & (BR - 1))]", i=TM)
-        + rep(f"br{{c}} = {x_k}[kk * BC + ((tx + {{c8}} + kk) & (BC - 1))]", c=TN)
+        "s_step": rep(f"ar{{i}} = {o_k}[(kk * BR + ((ty * TM + {{i}} + kk) & (BR - 1))) & ANY]",
+                      i=TM)
+        + rep(f"br{{c}} = {x_k}[(kk * BC + ((tx + {{c8}} + kk) & (BC - 1))) & ANY]", c=TN)
         + rep("s{i}_{c} += ar{i} * br{c}", i=TM, c=TN),
-        "dp_step": rep(f"ar{{i}} = {o_v}[kk * BR + ((ty * TM + {{i}} + kk) & (BR - 1))]", i=TM)
-        + rep(f"br{{c}} = {x_v}[kk * BC + ((tx + {{c8}} + kk) & (BC - 1))]", c=TN)
+        "dp_step": rep(f"ar{{i}} = {o_v}[(kk * BR + ((ty * TM + {{i}} + kk) & (BR - 1))) & ANY]",
+                       i=TM)
+        + rep(f"br{{c}} = {x_v}[(kk * BC + ((tx + {{c8}} + kk) & (BC - 1))) & ANY]", c=TN)
         + rep("dp{i}_{c} += ar{i} * br{c}", i=TM, c=TN),
     }
 
@@ -241,10 +244,12 @@ def make_dkdv(d_pad, dv_pad, mods):
         acc += rep(f"pr{{i}} = shfl_sync(FULL_MASK, s{{i}}_{c}, base + t)", i=TM)
         acc += rep(f"gr{{i}} = shfl_sync(FULL_MASK, dp{{i}}_{c}, base + t)", i=TM)
         for cc in range(CV):  # dV += P^T dO: dO[j, col] = dos[col * BC + ((j + col) & (BC - 1))]
-            acc += [f"x = dos[(tx + {8 * cc}) * BC + ((t + {8 * c} + tx + {8 * cc}) & (BC - 1))]"]
+            acc += [f"x = dos[((tx + {8 * cc}) * BC + ((t + {8 * c} + tx + {8 * cc}) & (BC - 1))) "
+                    "& ANY]"]
             acc += rep(f"v{{i}}_{cc} += pr{{i}} * x", i=TM)
         for cc in range(CK):  # dK += dS^T Q
-            acc += [f"x = qs[(tx + {8 * cc}) * BC + ((t + {8 * c} + tx + {8 * cc}) & (BC - 1))]"]
+            acc += [f"x = qs[((tx + {8 * cc}) * BC + ((t + {8 * c} + tx + {8 * cc}) & (BC - 1))) "
+                    "& ANY]"]
             acc += rep(f"g{{i}}_{cc} += gr{{i}} * x", i=TM)
     store = []
     for i in range(TM):
@@ -284,7 +289,8 @@ def make_dq(d_pad, dv_pad, mods):
     for c in range(TN):
         acc += rep(f"gr{{i}} = shfl_sync(FULL_MASK, dp{{i}}_{c}, base + t)", i=TM)
         for cc in range(CK):  # dQ += dS K: K[j, col] = ks[col * BC + ((j + col) & (BC - 1))]
-            acc += [f"x = ks[(tx + {8 * cc}) * BC + ((t + {8 * c} + tx + {8 * cc}) & (BC - 1))]"]
+            acc += [f"x = ks[((tx + {8 * cc}) * BC + ((t + {8 * c} + tx + {8 * cc}) & (BC - 1))) "
+                    "& ANY]"]
             acc += rep(f"g{{i}}_{cc} += gr{{i}} * x", i=TM)
     store = []
     for i in range(TM):
@@ -303,7 +309,7 @@ def make_dq(d_pad, dv_pad, mods):
 def _names(**consts):
     return {"cuda": cuda, "math": math, "shfl_sync": shfl_sync, "float32": float32,
             "int64": int64, "FULL_MASK": FULL_MASK, "LN2": LN2, "POS_INF": POS_INF,
-            "ONE": ONE, "ZERO": ZERO, **consts}
+            "ONE": ONE, "ZERO": ZERO, "ANY": index_mask(1), **consts}
 
 
 @functools.cache

@@ -41,11 +41,11 @@ from .tiles import (
     index_mask,
     last_key,
     pad8,
-    score_lines,
     shared_size,
     shfl_sync,
     shfl_xor_sync,
     signature,
+    tile_elements,
     tile_fetch,
     tile_store,
 )
@@ -92,31 +92,37 @@ def forward(q, k, v, scale2, left, right, kv_lens, softcap2, slopes2, out, lse):
     kb_hi = hi // BN + 1 if hi >= lo else kb_lo
     @init
 
-    k0 = kb_lo * BN
-    @fetch_k
-    for kb in range(kb_lo, kb_hi):
+    # Each tile's K is fetched into registers during the step before (its V during S = Q K^T):
+    # step kb_lo - 1 only fetches the first tile's K. One fetch of K in the code: Numba's
+    # compile time grows with every copy (see tiles.tile_fetch).
+    first_step = kb_lo - 1 if kb_lo < kb_hi else kb_hi  # no tiles: no steps
+    @zero_kx
+    for kb in range(first_step, kb_hi):
         k0 = kb * BN
-        cuda.syncthreads()  # Q stored / the last tile's V reads done
-        @store_k
-        cuda.syncthreads()
-        @fetch_v
+        if kb >= kb_lo:
+            cuda.syncthreads()  # Q stored / the last tile's V reads done
+            @store_k
+            cuda.syncthreads()
+            @fetch_v
 
-        @zero_s
-        for kq in range(0, DK, 4):  # S = Q K^T: TM x TN outer products per dim
-            @s_step
+            @zero_s
+            for kq in range(0, DK, 4):  # S = Q K^T: TM x TN outer products per dim
+                @s_step
 
-        edge = k0 < first_hi or k0 + BN - 1 > last_lo  # the tile crosses the band's edge
-        @scores
+            edge = k0 < first_hi or k0 + BN - 1 > last_lo  # the tile crosses the band's edge
+            @scores
 
-        @softmax
+            @softmax
 
-        cuda.syncthreads()  # K^T reads done: the buffer takes V
-        @store_v
-        cuda.syncthreads()
-        @fetch_next_k
+            cuda.syncthreads()  # K^T reads done: the buffer takes V
+            @store_v
+            cuda.syncthreads()
 
-        for t in range(8):  # P @ V: the keys of lane base + t, P from it by shuffles
-            @pv
+        @fetch_k
+
+        if kb >= kb_lo:
+            for t in range(8):  # P @ V: the keys of lane base + t, P from it by shuffles
+                @pv
 
     @store
 """
@@ -144,7 +150,7 @@ def make_forward(d_pad, dv_pad, mods):
         softmax += [f"mx = s{i}_0"] + [f"mx = max(mx, s{i}_{c})" for c in range(1, TN)]
         softmax += [f"mx = max(mx, shfl_xor_sync(FULL_MASK, mx, {x}))" for x in (1, 2, 4)]
         softmax += [f"m_new = max({m}, mx)",
-                    "m_use = m_new if m_new != NEG_INF else ZERO  # all masked so far: P = 0",
+                    "m_use = cuda.selp(m_new != NEG_INF, m_new, ZERO)  # all masked so far: P = 0",
                     f"alpha = math.exp2({m} - m_use)  # max rose: rescale earlier terms",
                     "row_sum = ZERO"]
         softmax += join(*([f"s{i}_{c} = math.exp2(s{i}_{c} - m_use)",
@@ -152,16 +158,26 @@ def make_forward(d_pad, dv_pad, mods):
         softmax += [f"row_sum += shfl_xor_sync(FULL_MASK, row_sum, {x})" for x in (1, 2, 4)]
         softmax += [f"l{i} = alpha * l{i} + row_sum", f"{m} = m_new"]
         softmax += rep(f"a{i}_{{cc}} *= alpha", cc=CV)
-    scores = rows + join(*([f"first{i} = {first_key(f'r{i}')}", f"last{i} = {last_key(f'r{i}')}"]
-                           for i in range(TM)))
-    for i in range(TM):
-        for c in range(TN):
-            scores += score_lines(f"s{i}_{c}", f"r{i}", f"k0 + {column(c, WK)}", f"first{i}",
-                                  f"last{i}", mods)
+    # softcap and ALiBi on every tile, each test once for the whole tile; the band's edges
+    # only on tiles that cross one (as few Python branches as possible: see tiles.tile_fetch)
+    elements = [(f"s{i}_{c}", f"r{i}", f"k0 + {column(c, WK)}", i)
+                for i in range(TM) for c in range(TN)]
+    scores = list(rows)
+    if mods:
+        scores += ["if softcap2 != ZERO:"]
+        scores += [f"    {s} = softcap2 * math.tanh({s} * cap_inv)" for s, _, _, _ in elements]
+        scores += ["if slope2 != ZERO:"]
+        scores += [f"    {s} -= slope2 * float32(abs({r} + off - ({key})))"
+                   for s, r, key, _ in elements]
+    scores += ["if edge:"]
+    scores += [f"    first{i} = {first_key(f'r{i}')}" for i in range(TM)]
+    scores += [f"    last{i} = {last_key(f'r{i}')}" for i in range(TM)]
+    scores += [f"    {s} = cuda.selp(({key} < first{i}) | ({key} > last{i}), NEG_INF, {s})"
+               for s, _, key, i in elements]
     band = [f"lo = {first_key('q0')}", f"hi = {last_key('q0 + rows - 1')}",
             f"last_lo = {last_key('q0')}  # the smallest last key",
             f"first_hi = {first_key('q0 + rows - 1')}  # the largest first key"]
-    store = rows
+    store = list(rows)
     for i in range(TM):
         store += [f"if r{i} < n_q:",
                   f"    seen = l{i} != ZERO  # a row that sees no key: output 0, lse -inf",
@@ -179,9 +195,12 @@ def make_forward(d_pad, dv_pad, mods):
         s_step += [f"ka{g} = (kq * BN + ((WK * tx + {8 * WK * g} + kq) & (BN - 1))) "
                    f"& {index_mask(WK)}"]
     for u in range(4):
-        s_step += rep(f"qr{{i}} = qs[qa + {u * BM} + {{i}}]", i=TM)
-        s_step += [f"kr{c} = kvs[ka{c // WK} + {u * BN + c % WK}]" for c in range(TN)]
-        s_step += rep("s{i}_{c} += qr{i} * kr{c}", i=TM, c=TN)
+        s_step += rep(f"qr{u}_{{i}} = qs[qa + {u * BM} + {{i}}]", i=TM)
+        s_step += [f"kr{u}_{c} = kvs[ka{c // WK} + {u * BN + c % WK}]" for c in range(TN)]
+    # one assignment per step (each one costs Numba's SSA pass); the sum runs left to right,
+    # dim by dim, as four separate += would, and compiles to a chain of FMAs
+    s_step += rep("s{i}_{c} = s{i}_{c} + " + " + ".join(f"qr{u}_{{i}} * kr{u}_{{c}}"
+                                                       for u in range(4)), i=TM, c=TN)
     # P @ V: key column(c) of lane t's P; V row of that key, this thread's CV columns
     pv = [f"vt = (WK * t * DV + WV * tx) & {index_mask(WV)}"]
     for c in range(TN):
@@ -194,12 +213,12 @@ def make_forward(d_pad, dv_pad, mods):
         init=rep("m{i} = NEG_INF", i=TM) + rep("l{i} = ZERO", i=TM)
         + rep("a{i}_{cc} = ZERO", i=TM, cc=CV),
         zero_s=rep("s{i}_{c} = ZERO", i=TM, c=TN),
+        zero_kx=rep("kx{u} = ZERO", u=len(tile_elements(DK, NT, BN)[0])),
         s_step=s_step, scores=scores, softmax=softmax, band=band, pv=pv, store=store,
-        fetch_k=tile_fetch("kx", "kh", "d", DK, NT, BN, "k0"),
+        fetch_k=tile_fetch("kx", "kh", "d", DK, NT, BN, "k0 + BN"),
         store_k=tile_store("kx", DK, NT, BN, kt_index),
         fetch_v=tile_fetch("vx", "vh", "dv", DV, NT, BN, "k0"),
         store_v=tile_store("vx", DV, NT, BN, "{j} * DV + {c}"),
-        fetch_next_k=tile_fetch("kx", "kh", "d", DK, NT, BN, "k0 + BN"),
     ).replace("@aligned", aligned())
     names = {"cuda": cuda, "math": math, "shfl_sync": shfl_sync,
              "shfl_xor_sync": shfl_xor_sync, "float32": float32, "int64": int64,

@@ -132,13 +132,6 @@ def modify_lines(var, row, key, mods, tanh_var=None):
     return lines
 
 
-def score_lines(var, row, key, first, last, mods):
-    """Source lines: the forward score of (row, key) after softcap and ALiBi, ``-inf`` outside
-    the row's band ``[first, last]`` (checked only on tiles that cross an edge: ``edge``)."""
-    return modify_lines(var, row, key, mods) + [
-        f"if edge and ({key} < {first} or {key} > {last}):", f"    {var} = NEG_INF"]
-
-
 def grad_lines(s, dp, row, key, lse2, delta, mods):
     """Source lines: ``s`` becomes P (regenerated from ``lse2``) and ``dp`` becomes dS, the
     gradient of the natural-unit score, of (row, key); both 0 outside the row's band."""
@@ -171,21 +164,27 @@ def tile_elements(pad, threads, keys):
 
 
 def tile_fetch(reg, src, width, pad, threads, keys, first):
-    """Source lines: a thread's elements of rows ``first .. first + keys - 1`` of the 2-D
-    view ``src`` (columns below ``width``) into registers ``{reg}0, {reg}1, ...`` as float32;
-    keys outside ``[lo, hi]`` and columns past ``width`` as 0, so a NaN there reaches nothing.
+    """Source lines: a thread's elements (``tile_elements``) of rows ``first .. first + keys -
+    1`` of the 2-D view ``src`` (columns below ``width``) into registers ``{reg}0, {reg}1,
+    ...`` as float32; keys outside ``[lo, hi]`` and columns past ``width`` as 0, so a NaN
+    there reaches nothing. Needs ``lo <= hi``.
+
     Written out in full so that all the loads are in flight at once: fetched a stage ahead of
-    their use, their latency hides behind the arithmetic (a loop that stored each load before
-    the next one waited a round trip per element)."""
+    their use, their latency hides behind the arithmetic (a loop that stored each load to
+    shared memory before the next one waited a round trip per element). Branch-free: every
+    load reads a valid element (row clamped into ``[lo, hi]``, column below ``width``) and
+    ``selp`` zeroes the ones outside. Numba's own passes (liveness, SSA) take time in blocks
+    times variables times assignments, and each ``and`` or ``if`` of Python is a block: with
+    them, the forward kernel took 45 s to compile."""
     elements, check = tile_elements(pad, threads, keys)
     lines = []
     for u, (j, c) in enumerate(elements):
         key = f"{first} + {j}"
-        cond = f"lo <= {key} and {key} <= hi and {c} < {width}"
+        cond = f"(lo <= {key}) & ({key} <= hi) & ({c} < {width})"
         if check:
-            cond += f" and tid + {u * threads} < {keys * pad}"
-        lines += [f"{reg}{u} = ZERO", f"if {cond}:",
-                  f"    {reg}{u} = float32({src}[({key}) & ANY, {c}])"]
+            cond += f" & (tid + {u * threads} < {keys * pad})"
+        lines += [f"{reg}{u} = cuda.selp({cond}, float32({src}[min(max({key}, lo), hi) & ANY, "
+                  f"min({c}, {width} - 1) & ANY]), ZERO)"]
     return lines
 
 
