@@ -177,15 +177,21 @@ def tile_fetch(reg, src, width, pad, threads, keys, first):
     times variables times assignments, and each ``and`` or ``if`` of Python is a block: with
     them, the forward kernel took 45 s to compile."""
     elements, check = tile_elements(pad, threads, keys)
-    lines = []
+    edge = []
     for u, (j, c) in enumerate(elements):
         key = f"{first} + {j}"
         cond = f"(lo <= {key}) & ({key} <= hi) & ({c} < {width})"
         if check:
             cond += f" & (tid + {u * threads} < {keys * pad})"
-        lines += [f"{reg}{u} = cuda.selp({cond}, float32({src}[min(max({key}, lo), hi) & ANY, "
-                  f"min({c}, {width} - 1) & ANY]), ZERO)"]
-    return lines
+        edge += [f"{reg}{u} = cuda.selp({cond}, float32({src}[min(max({key}, lo), hi) & ANY, "
+                 f"min({c}, {width} - 1) & ANY]), ZERO)"]
+    if check:
+        return edge
+    # tiles inside the band with no padded columns (most of them): plain loads
+    inner = [f"{reg}{u} = float32({src}[({first} + {j}) & ANY, {c}])"
+             for u, (j, c) in enumerate(elements)]
+    return ([f"if (lo <= {first}) & ({first} + {keys - 1} <= hi) & ({width} == {pad}):"]
+            + ["    " + line for line in inner] + ["else:"] + ["    " + line for line in edge])
 
 
 def tile_store(reg, pad, threads, keys, index):
