@@ -3,16 +3,19 @@
 Thread layout of every kernel: ``8 * TY`` threads; thread ``t`` has ``tx = t % 8`` and
 ``ty = t // 8``. A tile of scores (``TY * TM`` "own" rows by ``8 * TN`` columns) is held in
 registers, ``TM x TN`` per thread: rows ``ty * TM + i`` and columns ``tx + 8 * c`` (strided,
-so the 8 threads of a row read 8 consecutive shared-memory words). The 8 threads of a row
+so the 8 threads of a row read 8 consecutive shared-memory words; the forward kernel holds
+them in groups of ``width`` side by side instead, ``column``, read as one vector). The 8
+threads of a row
 group sit in one warp, so row max and row sum are three ``shfl_xor`` steps, and a product
 ``P @ V`` gets each ``P[i, j]`` from the thread that holds it by ``shfl_sync`` (no P tile in
 shared memory).
 
 Shared memory holds tiles transposed (``[dim][row]``) so that the inner product loops read
 one word per row across the threads; a row is stored rotated by its column,
-``[c * ld + ((r + c) % ld)]``, so that both the transposing stores and the reads are free of
-bank conflicts without padding (the static 48 KiB of shared memory is the limit: at D = 128
-the tiles fill it exactly).
+``[c * ld + ((r + c) % ld)]`` (the forward kernel: by ``4 * (c // 4)``, so that vectors of 4
+and the four dims of an unrolled step stay affine), so that the transposing stores spread
+over the banks without padding (the static 48 KiB of shared memory is the limit: at D = 128
+the tiles fill it exactly). Every shared index is ANDed with a mask (``index_mask``).
 """
 import math
 
