@@ -61,9 +61,8 @@ def _check_spills(ptx, tmp_path):
 @pytest.mark.parametrize("d, dtype", CASES, ids=str)
 def test_ptx(d, dtype, tmp_path):
     fn = forward.make_forward(d, d, True)[0]
-    ptx = cuda.compile_ptx(fn, tiles.signature(dtype, tiles.FORWARD_ARGS), cc=(9, 0))[0]
-    _check(ptx)
-    forward_ptx = ptx
+    forward_ptx = cuda.compile_ptx(fn, tiles.signature(dtype, tiles.FORWARD_ARGS), cc=(9, 0))[0]
+    _check(forward_ptx)
     fn = backward.make_dkdv(d, d, True)[0]
     _check(cuda.compile_ptx(fn, tiles.signature(dtype, tiles.DKDV_ARGS), cc=(9, 0))[0])
     fn = backward.make_dq(d, d, True)[0]
