@@ -5,10 +5,9 @@ Thread layout of every kernel: ``8 * TY`` threads; thread ``t`` has ``tx = t % 8
 registers, ``TM x TN`` per thread: rows ``ty * TM + i`` and columns ``tx + 8 * c`` (strided,
 so the 8 threads of a row read 8 consecutive shared-memory words; the forward kernel holds
 them in groups of ``width`` side by side instead, ``column``, read as one vector). The 8
-threads of a row
-group sit in one warp, so row max and row sum are three ``shfl_xor`` steps, and a product
-``P @ V`` gets each ``P[i, j]`` from the thread that holds it by ``shfl_sync`` (no P tile in
-shared memory).
+threads of a row group sit in one warp, so row max and row sum are three ``shfl_xor`` steps,
+and a product ``P @ V`` gets each ``P[i, j]`` from the thread that holds it by ``shfl_sync``
+(no P tile in shared memory).
 
 Shared memory holds tiles transposed (``[dim][row]``) so that the inner product loops read
 one word per row across the threads; a row is stored rotated by its column,
@@ -98,7 +97,7 @@ def column(c, width):
     """Source text: the tile column of a thread's ``c``-th value when each thread of a row
     group holds ``width`` neighbouring columns per group of ``8 * width``:
     ``8 * width * (c // width) + width * tx + c % width``."""
-    return f"{width} * tx + {8 * width * (c // width) + c % width}"
+    return f"{width} * tx + {column_offset(c, width)}"
 
 
 def column_offset(c, width):
@@ -174,11 +173,12 @@ def tile_fetch(reg, src, width, pad, threads, keys, first):
 
     Written out in full so that all the loads are in flight at once: fetched a stage ahead of
     their use, their latency hides behind the arithmetic (a loop that stored each load to
-    shared memory before the next one waited a round trip per element). Branch-free: every
-    load reads a valid element (row clamped into ``[lo, hi]``, column below ``width``) and
-    ``selp`` zeroes the ones outside. Numba's own passes (liveness, SSA) take time in blocks
-    times variables times assignments, and each ``and`` or ``if`` of Python is a block: with
-    them, the forward kernel took 45 s to compile."""
+    shared memory before the next one waited a round trip per element). One test per tile:
+    a tile inside the band with no padded columns takes plain loads; any other is read
+    branch-free, every load of a valid element (row clamped into ``[lo, hi]``, column below
+    ``width``) and ``selp`` zeroing the ones outside. Numba's own passes (liveness, SSA) take
+    time in blocks times variables times assignments, and each ``and`` or ``if`` of Python is
+    a block: with one per element, the forward kernel took 45 s to compile."""
     elements, check = tile_elements(pad, threads, keys)
     edge = []
     for u, (j, c) in enumerate(elements):
