@@ -70,3 +70,19 @@ def test_ptx(d, dtype, tmp_path):
     ptx = cuda.compile_ptx(backward.prep, tiles.signature(dtype, tiles.PREP_ARGS), cc=(9, 0))[0]
     _check(ptx)
     _check_spills(forward_ptx, tmp_path)  # last: it skips where ptxas is missing
+
+
+@pytest.mark.parametrize("pad, threads, keys", [(64, 128, 64), (128, 128, 32), (256, 128, 16),
+                                                (40, 128, 64), (8, 32, 8), (24, 32, 8),
+                                                (8, 128, 8), (16, 128, 12)])
+def test_tile_elements_cover_the_tile_once(pad, threads, keys):
+    """The elements the threads of a block fetch and store (``tiles.tile_elements``, text
+    evaluated here per thread) are each element of the ``keys x pad`` tile exactly once."""
+    elements, check = tiles.tile_elements(pad, threads, keys)
+    seen = []
+    for tid in range(threads):
+        for u, (j, c) in enumerate(elements):
+            if check and tid + u * threads >= keys * pad:
+                continue
+            seen.append((eval(j, {"tid": tid}), eval(c, {"tid": tid})))  # noqa: S307
+    assert sorted(seen) == [(j, c) for j in range(keys) for c in range(pad)]

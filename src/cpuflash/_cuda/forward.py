@@ -41,12 +41,12 @@ from .tiles import (
     NEG_INF,
     ONE,
     ZERO,
+    aligned,
     column,
     column_offset,
     first_key,
     forward_shape,
     group_width,
-    aligned,
     index_mask,
     last_key,
     pad8,
@@ -145,6 +145,7 @@ def make_forward(d_pad, dv_pad, mods):
     TY, TM, TN = forward_shape(d_pad, dv_pad)
     NT, BM, BN = 8 * TY, TY * TM, 8 * TN
     DK, DV, CV = d_pad, dv_pad, dv_pad // 8
+    assert BN & (BN - 1) == 0, BN  # the K^T rotation and the S step wrap with & (BN - 1)
     WK, WV = group_width(TN), group_width(CV)  # columns side by side: vector reads
     Q_SIZE, KV_SIZE = DK * BM, max(DK * BN, BN * DV)
     shared_size(Q_SIZE, KV_SIZE)

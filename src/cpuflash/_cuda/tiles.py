@@ -154,7 +154,7 @@ def tile_elements(pad, threads, keys):
     ``e = tid + u * threads``, row-major), one per ``u``, and whether ``e`` needs a bound
     check. When the threads cover whole rows, a thread keeps one column."""
     count = -(-keys * pad // threads)
-    if threads % pad == 0:
+    if threads % pad == 0 and keys % (threads // pad) == 0:
         step = threads // pad
         return [(f"tid // {pad} + {u * step}", f"tid % {pad}") for u in range(count)], False
     if pad % threads == 0:
