@@ -31,12 +31,28 @@ def check(q, k, v, causal=False):
 @pytest.mark.parametrize("h_kv", [1, 2, 4])
 @pytest.mark.parametrize("causal", [False, True])
 def test_decode_against_reference(n_q, h_kv, causal):
-    # 2 * KEYS_PER_SPLIT + 37 keys: three splits, a ragged last split and a ragged last chunk.
-    n_k = 2 * decode.KEYS_PER_SPLIT + 37
+    # 2 * MIN_SPLIT_KEYS + 37 keys: two or three splits, a ragged last split and last chunk.
+    n_k = 2 * decode.MIN_SPLIT_KEYS + 37
+    assert decode.split_count(2, h_kv, n_k) in (2, 3)
     q = rand((2, 4, n_q, 32), seed=1)
     k, v = rand((2, h_kv, n_k, 32), seed=2), rand((2, h_kv, n_k, 32), seed=3)
     assert takes_decode_path(q, k, v, causal)  # this path, not the tiled one
     check(q, k, v, causal)
+
+
+@pytest.mark.parametrize("n_b, n_hkv", [(1, 1), (1, 2), (1, 8), (4, 8), (64, 32)])
+def test_split_count(n_b, n_hkv):
+    """Enough tasks for the threads where splits stay long; splits no longer than the cap
+    unless the count cap binds; never more than MAX_SPLITS."""
+    for n_k in (1, 100, 1024, 1025, 4096, 32768, 10**6):
+        n = decode.split_count(n_b, n_hkv, n_k)
+        assert 1 <= n <= decode.MAX_SPLITS
+        assert -(-n_k // n) <= decode.MAX_SPLIT_KEYS or n == decode.MAX_SPLITS
+        if n > 1:  # more than one split only where each keeps its minimum length ...
+            assert -(-n_k // (n - 1)) > decode.MIN_SPLIT_KEYS
+            # ... and only as many as the threads or the length cap ask for
+            assert (n_b * n_hkv * (n - 1) < decode.TASKS
+                    or -(-n_k // (n - 1)) > decode.MAX_SPLIT_KEYS)
 
 
 def test_decode_equals_last_rows_of_a_full_forward():

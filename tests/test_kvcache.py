@@ -25,10 +25,11 @@ def dequantized(cache, layer):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int8])
 @pytest.mark.parametrize("h_kv", [4, 2, 1])
-@pytest.mark.parametrize("keys_per_split", [64, 1024])
-def test_decode_from_cache_against_reference(dtype, h_kv, keys_per_split, monkeypatch):
-    """Every cache dtype, GQA ratio and split count (1 split, or many with a ragged last one)."""
-    monkeypatch.setattr(decode, "KEYS_PER_SPLIT", keys_per_split)
+@pytest.mark.parametrize("n_splits", [1, 5])
+def test_decode_from_cache_against_reference(dtype, h_kv, n_splits, monkeypatch):
+    """Every cache dtype, GQA ratio and split count: 1 split, or 5 (splits are whole chunks:
+    at 300 keys, two full, a ragged third and two empty ones)."""
+    monkeypatch.setattr(decode, "split_count", lambda n_b, n_hkv, n_k: n_splits)
     n_k = 300
     cache = cpuflash.KVCache(2, 2, h_kv, 512, D, dtype=dtype)
     k, v = rand((2, h_kv, n_k, D), seed=2), rand((2, h_kv, n_k, D), seed=3)

@@ -5,14 +5,15 @@ tiled kernel does) would read them twice. Here every task takes one split of the
 one kv head and all the query rows of its GQA group (``group * Nq`` rows), so each K/V byte is
 read once per call, straight from the caller's array (rows must be unit-stride):
 
-    for each chunk of 16 keys in the split:
+    for each chunk of CHUNK keys in the split:
         s[r, :] = q_r . k_j                  # one vector dot product per (row, key)
         online softmax over the chunk        # as the tiled kernel, base 2
         acc[r] = alpha * acc[r] + sum_j p[r, j] * v_j
 
-Each split leaves ``m``, ``l`` and an unnormalized ``acc``; ``combine`` merges the splits in
-split order (``out = sum_s acc_s 2^(m_s - M) / sum_s l_s 2^(m_s - M)``). The number of splits
-is a function of the shapes only, so the result is the same for any thread count.
+Each split leaves ``m``, ``l`` and an unnormalized ``acc``; ``combine_row`` merges the splits
+in split order (``out = sum_s acc_s 2^(m_s - M) / sum_s l_s 2^(m_s - M)``). The number of splits
+is a function of the shapes only (``split_count``), so the result is the same for any thread
+count.
 """
 import math
 
@@ -40,10 +41,26 @@ CHUNK = 128
 # only add instructions there (17.6-18.0 ns per key without, 19-21 with), so it gets none.
 AHEAD = 2
 PREFETCH_CACHES = True  # the hints for float16/int8 caches (a switch for the tests)
-KEYS_PER_SPLIT = 1024  # a split's keys: enough work per task, splits enough for the threads
-MAX_SPLITS = 64        # caps the partial results: at most 64 * (B, Hq, Nq, Dv), whatever Nk
+# How the key axis is split (``split_count``): into at least enough splits for ``TASKS``
+# tasks over (batch, kv head, split), but no split shorter than ``MIN_SPLIT_KEYS`` keys nor
+# longer than ``MAX_SPLIT_KEYS``. Every split pays fixed costs (its buffers, its Q, its partial
+# output and its share of the merge). Measured with 2 threads, one process, best of 450
+# interleaved, ms per step at 1/2/4/8/16/32 splits: Hkv=2, Nk=32768: 0.713 0.710 0.710 0.717
+# 0.727 0.741 (it was 32 splits of 1024 keys); Hkv=8, Nk=32768: 4.05 3.15 2.88 2.79 2.81 2.79;
+# Hkv=2, Nk=4096: 0.134 0.123 0.117 0.122 0.133 0.142.
+MIN_SPLIT_KEYS = 1024
+MAX_SPLIT_KEYS = 4096
+TASKS = 16  # keeps up to 16 threads busy where the keys allow it
+MAX_SPLITS = 64  # caps the partial results at 64 * (B, Hq, Nq, Dv), whatever Nk
 MAX_NQ = 16            # attention() takes this path for Nq up to this
 SERIAL_COMBINE = 1 << 18  # partial-output elements up to which the merge runs on one thread
+
+
+def split_count(n_b, n_hkv, n_k):
+    """Splits of the key axis: a function of the shapes only, so that the merge, and with it
+    the result, is the same for any thread count."""
+    for_threads = min(-(-n_k // MIN_SPLIT_KEYS), -(-TASKS // max(1, n_b * n_hkv)))
+    return max(1, min(MAX_SPLITS, max(for_threads, -(-n_k // MAX_SPLIT_KEYS))))
 
 
 @helper
@@ -121,10 +138,38 @@ def chunk_scores(s, q_s, rows, d, d_vec, kf, k_off, k_step, n_c, k_buf):
             s[r * CHUNK + jj] = dot_rows(q_s, r * d, kf, k_off + jj * k_step, d, d_vec)
 
 
+@helper
+def combine_row(m_part, l_part, acc_part, out, lse, b, h, i):
+    """Merge the splits of one row in split order:
+    ``out = sum_s acc_s 2^(m_s - M) / sum_s l_s 2^(m_s - M)``."""
+    n_s = m_part.shape[0]
+    dv = out.shape[3]
+    m = -np.inf
+    for sp in range(n_s):
+        m = max(m, m_part[sp, b, h, i])
+    if m == -np.inf:  # the row sees no key
+        for c in range(dv):
+            out[b, h, i, c] = 0.0
+        lse[b, h, i] = -np.inf
+        return
+    total = 0.0
+    for c in range(dv):
+        out[b, h, i, c] = 0.0
+    for sp in range(n_s):
+        w = np.exp2(m_part[sp, b, h, i] - m)
+        total += w * l_part[sp, b, h, i]
+        for c in range(dv):
+            out[b, h, i, c] += w * acc_part[sp, b, h, i, c]
+    for c in range(dv):
+        out[b, h, i, c] /= total
+    lse[b, h, i] = (m + np.log2(total)) * LN2
+
+
 @kernel
 def decode(q, kf, k_strides, k_storage, prefetch, vf, v_strides, k_scale, ks_strides, v_scale,
            vs_strides, n_hkv, n_k, d, dv, n_splits, scale2, left, right, kv_lens, softcap2,
-           slopes2, mask, mask_given, mask_is_bool, drop_below, seed, m_part, l_part, acc_part):
+           slopes2, mask, mask_given, mask_is_bool, drop_below, seed, m_part, l_part, acc_part,
+           out, lse):
     """q: (B, Hq, Nq, D) any strides, compute dtype. kf, vf: 1-D views from the first element
     of K and V in their storage type (the compute dtype, float16 bits as uint16, or int8);
     element (b, h, j, c) is at ``b*s0 + h*s1 + j*s2 + c*s3`` with ``k_strides = (s0, s1, s2,
@@ -136,7 +181,9 @@ def decode(q, kf, k_strides, k_storage, prefetch, vf, v_strides, k_scale, ks_str
     ``vs_strides`` over (b, h, j) (``K = kf * k_scale``), or empty arrays when K/V are floats.
     left, right, kv_lens: the band of keys each row sees (masking.py); the splits divide the
     array's ``n_k`` keys, and keys outside a row's band are never read.
-    Writes per split: m_part, l_part (n_splits, B, Hq, Nq) and acc_part (..., Dv)."""
+    Writes per split: m_part, l_part (n_splits, B, Hq, Nq) and acc_part (..., Dv); then merges
+    them into out (B, Hq, Nq, Dv) and lse (B, Hq, Nq) (``combine_row``), in this call: a
+    second call would cost a dispatch and its Python, 15 us of a 0.7 ms step."""
     n_b, n_hq, n_q, _ = q.shape
     group = n_hq // n_hkv
     rows = group * n_q
@@ -147,7 +194,8 @@ def decode(q, kf, k_strides, k_storage, prefetch, vf, v_strides, k_scale, ks_str
     # read past the last row would leave the array); else one row update per key.
     tiled = dv == dv_vec
     ld = dv  # acc row stride
-    split_len = (n_k + n_splits - 1) // n_splits
+    # whole chunks per split: every chunk but the array's last is full and starts aligned
+    split_len = ((n_k + n_splits - 1) // n_splits + CHUNK - 1) // CHUNK * CHUNK
     modify = softcap2 != 0.0 or np.any(slopes2 != 0.0)
     quantized = k_scale.size > 0
     keys_unit = k_strides[3] != 1  # K stored transposed: a key's D values k_strides[3] apart
@@ -254,52 +302,15 @@ def decode(q, kf, k_strides, k_storage, prefetch, vf, v_strides, k_scale, ks_str
                 l_part[split, b, h, i] = l_i[r]
                 for c in range(dv):
                     acc_part[split, b, h, i, c] = acc[r * ld + c]
-
-
-@helper
-def combine_row(m_part, l_part, acc_part, out, lse, b, h, i):
-    """Merge the splits of one row in split order:
-    ``out = sum_s acc_s 2^(m_s - M) / sum_s l_s 2^(m_s - M)``."""
-    n_s = m_part.shape[0]
-    dv = out.shape[3]
-    m = -np.inf
-    for sp in range(n_s):
-        m = max(m, m_part[sp, b, h, i])
-    if m == -np.inf:  # the row sees no key
-        for c in range(dv):
-            out[b, h, i, c] = 0.0
-        lse[b, h, i] = -np.inf
-        return
-    total = 0.0
-    for c in range(dv):
-        out[b, h, i, c] = 0.0
-    for sp in range(n_s):
-        w = np.exp2(m_part[sp, b, h, i] - m)
-        total += w * l_part[sp, b, h, i]
-        for c in range(dv):
-            out[b, h, i, c] += w * acc_part[sp, b, h, i, c]
-    for c in range(dv):
-        out[b, h, i, c] /= total
-    lse[b, h, i] = (m + np.log2(total)) * LN2
-
-
-@kernel
-def combine(m_part, l_part, acc_part, out, lse):
-    """``combine_row`` for every row, rows spread over the threads."""
-    _, n_b, n_h, n_q = m_part.shape
-    for task in prange(n_b * n_h * n_q):
-        b, h, i = unravel(task, n_h, n_q)
-        combine_row(m_part, l_part, acc_part, out, lse, b, h, i)
-
-
-@helper
-def combine_serial(m_part, l_part, acc_part, out, lse):
-    """``combine_row`` for every row on the calling thread: for small merges, where waking
-    the pool would cost more than the work (each parallel launch is a thread wake-up)."""
-    _, n_b, n_h, n_q = m_part.shape
-    for task in range(n_b * n_h * n_q):
-        b, h, i = unravel(task, n_h, n_q)
-        combine_row(m_part, l_part, acc_part, out, lse, b, h, i)
+    n_rows = n_b * n_hq * n_q
+    if acc_part.size <= SERIAL_COMBINE:  # on this thread: waking the pool costs more
+        for row in range(n_rows):
+            b, h, i = unravel(row, n_hq, n_q)
+            combine_row(m_part, l_part, acc_part, out, lse, b, h, i)
+    else:
+        for row in prange(n_rows):
+            b, h, i = unravel(row, n_hq, n_q)
+            combine_row(m_part, l_part, acc_part, out, lse, b, h, i)
 
 
 @helper
@@ -364,18 +375,16 @@ def run_decode(q, k, v, scale, band, mods, user_mask, drop, out=None, kv_scales=
             _flat_view(x[..., None]) or _flat_view(np.ascontiguousarray(x)[..., None])
             for x in kv_scales)
         ks_strides, vs_strides = ks_strides[:3], vs_strides[:3]
-    n_splits = max(1, min(MAX_SPLITS, -(-n_k // KEYS_PER_SPLIT)))
+    n_splits = split_count(n_b, n_hkv, n_k)
     m_part = np.empty((n_splits, n_b, n_hq, n_q), dtype=dtype)
     l_part = np.empty((n_splits, n_b, n_hq, n_q), dtype=dtype)
     acc_part = np.empty((n_splits, n_b, n_hq, n_q, dv), dtype=dtype)
+    if out is None:
+        out = np.empty((n_b, n_hq, n_q, dv), dtype=dtype)
+    lse = np.empty((n_b, n_hq, n_q), dtype=dtype)
     prefetch = PREFETCH_CACHES and (k.dtype != dtype or v.dtype != dtype)  # see AHEAD
     decode(q, k_view[0], k_view[1], k.dtype != dtype, prefetch, v_view[0], v_view[1], k_scale,
            ks_strides, v_scale, vs_strides, n_hkv, n_k, d, dv, n_splits, scale * LOG2_E, left,
            right, kv_lens, softcap2, slopes2, user_mask.view, user_mask.given,
-           user_mask.is_bool, drop[0], drop[1], m_part, l_part, acc_part)
-    if out is None:
-        out = np.empty((n_b, n_hq, n_q, dv), dtype=dtype)
-    lse = np.empty((n_b, n_hq, n_q), dtype=dtype)
-    merge = combine_serial if acc_part.size <= SERIAL_COMBINE else combine
-    merge(m_part, l_part, acc_part, out, lse)  # the same per-row arithmetic either way
+           user_mask.is_bool, drop[0], drop[1], m_part, l_part, acc_part, out, lse)
     return out, lse
