@@ -43,7 +43,7 @@ def window_sides(window):
 def key_lengths(kv_lens, n_b, n_k):
     """``kv_lens`` as a contiguous int64 array (B,), each in [0, Nk]; ``Nk`` everywhere if None."""
     if kv_lens is None:
-        return np.full(n_b, n_k, dtype=np.int64)
+        return _all_keys(n_b, n_k)
     if not isinstance(kv_lens, np.ndarray) or not np.issubdtype(kv_lens.dtype, np.integer):
         got = kv_lens.dtype if isinstance(kv_lens, np.ndarray) else type(kv_lens).__name__
         raise TypeError(f"kv_lens: expected an integer numpy array of shape ({n_b},), got {got}")
@@ -75,7 +75,7 @@ def modifiers(softcap, alibi_slopes, n_b, n_hq):
         if not math.isfinite(cap) or cap < 0:
             raise ValueError(f"softcap: expected a finite number > 0 (0 or None = off), got {cap}")
     if alibi_slopes is None:
-        return cap, np.zeros((n_b, n_hq))
+        return cap, _no_slopes(n_b, n_hq)
     if not isinstance(alibi_slopes, np.ndarray) or alibi_slopes.dtype.kind not in "fiu":
         got = (alibi_slopes.dtype if isinstance(alibi_slopes, np.ndarray)
                else type(alibi_slopes).__name__)
@@ -129,11 +129,25 @@ _NO_MASK = np.ones((1, 1, 1, 1), dtype=bool)
 _NO_MASK.flags.writeable = False
 
 
-# Stride-0 views that depend on the shape only, made once per shape: np.broadcast_to costs
-# 3 us, a tenth of the Python work of a decode step.
+# Read-only arrays that depend on the shape only, made once per shape: a decode step runs
+# right after its kernel has streamed K/V through the caches, where each numpy call costs
+# 2-5 us (np.broadcast_to, np.full, np.zeros), and the Python work of a step was 10-12 % of it.
 @functools.lru_cache(maxsize=64)
 def _no_mask_view(shape):
     return np.broadcast_to(_NO_MASK.view(np.uint8), shape)
+
+
+# (Shared between calls and only ever read; left writeable, as the arrays a caller's kv_lens
+# and alibi_slopes become, so that the kernels see one array type: a read-only one would be
+# a second compilation of each.)
+@functools.lru_cache(maxsize=64)
+def _all_keys(n_b, n_k):
+    return np.full(n_b, n_k, dtype=np.int64)
+
+
+@functools.lru_cache(maxsize=64)
+def _no_slopes(n_b, n_hq):
+    return np.zeros((n_b, n_hq))
 
 
 @functools.lru_cache(maxsize=64)
@@ -161,6 +175,8 @@ def _mask_4d(mask, shape, compute_dtype):
 
 def dropout(dropout_p, seed):
     """``(drop_below, seed)`` for the kernels; ``(0, 0)`` without dropout."""
+    if type(dropout_p) is float and dropout_p == 0.0 and seed is None:  # the default, quickly
+        return 0, 0
     if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, numbers.Real):
         raise TypeError(f"dropout_p: expected a number in [0, 1), got {dropout_p!r}")
     p = float(dropout_p)

@@ -15,6 +15,7 @@ in split order (``out = sum_s acc_s 2^(m_s - M) / sum_s l_s 2^(m_s - M)``). The 
 is a function of the shapes only (``split_count``), so the result is the same for any thread
 count.
 """
+import functools
 import math
 
 import numpy as np
@@ -326,13 +327,16 @@ def _span_view(x):
     return as_strided(x, shape=(span,), strides=(item,)), (s0, s1, s2, s3)
 
 
-def _flat_view(x, unit_axis=3):
+def _flat_view(x, unit_axes=(3,)):
     """A read-only 1-D view from ``x``'s first element over all of it, and its 4 strides in
-    elements; None unless axis ``unit_axis`` is unit-stride (or of length 1) and the other
-    strides are non-negative whole elements."""
+    elements; None unless one of ``unit_axes`` is unit-stride (or of length 1; the first such
+    one is reported as stride 1) and the other strides are non-negative whole elements."""
     item = x.itemsize
     st = x.strides
-    if st[unit_axis] != item and x.shape[unit_axis] > 1:
+    for unit_axis in unit_axes:
+        if st[unit_axis] == item or x.shape[unit_axis] <= 1:
+            break
+    else:
         return None
     if min(st) < 0 or (st[0] | st[1] | st[2] | st[3]) % item:  # itemsize: a power of two
         return None
@@ -343,17 +347,27 @@ def _flat_view(x, unit_axis=3):
     return flat, steps
 
 
+@functools.lru_cache(maxsize=4)
+def _no_scales(dtype):
+    """The int8 scales' stand-in for float K/V: an empty array and strides."""
+    return np.empty(0, dtype=dtype), (0, 0, 0)
+
+
 def _storage_view(x):
     """``x`` as the kernels read it: float16 as its uint16 bits (Numba has no float16)."""
     return x.view(np.uint16) if x.dtype == np.float16 else x
 
 
-def run_decode(q, k, v, scale, band, mods, user_mask, drop, out=None, kv_scales=None):
+def run_decode(q, k, v, scale, band, mods, user_mask, drop, out=None, kv_scales=None,
+               lse=None):
     """The decode path for 4-D arrays, or None where it does not apply (``Nq`` large, or K or V
     rows not unit-stride): the caller then takes the tiled path. ``q`` is in the compute dtype;
     ``k``, ``v`` in it too, or a float16 cache (float32 compute), or int8 with ``kv_scales =
     (k_scale, v_scale)`` of shape (B, Hkv, Nk), read in place either way. ``band``: the
-    ``(left, right, kv_lens)`` of masking.py."""
+    ``(left, right, kv_lens)`` of masking.py. ``out``, ``lse``: written in place if given.
+
+    This Python runs right after the previous step's kernel has streamed K/V through the
+    caches, where each numpy call costs several microseconds: it stays short."""
     left, right, kv_lens = band
     softcap2, slopes2 = mods[0] * LOG2_E, mods[1] * LOG2_E
     n_b, n_hq, n_q, d = q.shape
@@ -362,14 +376,13 @@ def run_decode(q, k, v, scale, band, mods, user_mask, drop, out=None, kv_scales=
         return None
     k_store = _storage_view(k)
     # K with unit-stride rows, or transposed (unit-stride keys: KVCache's layout)
-    k_view = _flat_view(k_store) or _flat_view(k_store, unit_axis=2)
+    k_view = _flat_view(k_store, unit_axes=(3, 2))
     v_view = _flat_view(_storage_view(v))
     if k_view is None or v_view is None:
         return None
     dtype = q.dtype
     if kv_scales is None:
-        none = (np.empty(0, dtype=dtype), (0, 0, 0))
-        (k_scale, ks_strides), (v_scale, vs_strides) = none, none
+        (k_scale, ks_strides), (v_scale, vs_strides) = (_no_scales(dtype),) * 2
     else:  # read in place, as K and V (a trailing unit axis stands in for the head dim)
         (k_scale, ks_strides), (v_scale, vs_strides) = (
             _flat_view(x[..., None]) or _flat_view(np.ascontiguousarray(x)[..., None])
@@ -381,7 +394,8 @@ def run_decode(q, k, v, scale, band, mods, user_mask, drop, out=None, kv_scales=
     acc_part = np.empty((n_splits, n_b, n_hq, n_q, dv), dtype=dtype)
     if out is None:
         out = np.empty((n_b, n_hq, n_q, dv), dtype=dtype)
-    lse = np.empty((n_b, n_hq, n_q), dtype=dtype)
+    if lse is None:
+        lse = np.empty((n_b, n_hq, n_q), dtype=dtype)
     prefetch = PREFETCH_CACHES and (k.dtype != dtype or v.dtype != dtype)  # see AHEAD
     decode(q, k_view[0], k_view[1], k.dtype != dtype, prefetch, v_view[0], v_view[1], k_scale,
            ks_strides, v_scale, vs_strides, n_hkv, n_k, d, dv, n_splits, scale * LOG2_E, left,

@@ -182,7 +182,7 @@ def run_forward(q, k, v, scale, band, mods, user_mask, drop, portable, out=None,
         out[...] = 0.0
         lse[...] = -np.inf
         return out, lse
-    decoded = (run_decode(q, k, v, scale, band, mods, user_mask, drop, out, kv_scales)
+    decoded = (run_decode(q, k, v, scale, band, mods, user_mask, drop, out, kv_scales, lse)
                if not portable else None)
     if decoded is not None:
         return decoded
