@@ -55,6 +55,20 @@ def test_split_count(n_b, n_hkv):
                     or -(-n_k // (n - 1)) > decode.MAX_SPLIT_KEYS)
 
 
+def test_parallel_merge_equals_serial_merge(monkeypatch):
+    """The split merge spread over the threads (large merges) gives the same bits as on one
+    thread (small ones)."""
+    q = rand((2, 4, 3, 16), seed=1)
+    k, v = rand((2, 2, 3000, 16), seed=2), rand((2, 2, 3000, 16), seed=3)
+    assert decode.split_count(2, 2, 3000) > 1
+    serial = cpuflash.attention(q, k, v, return_lse=True)
+    monkeypatch.setattr(decode, "SERIAL_COMBINE", 0)
+    parallel = cpuflash.attention(q, k, v, return_lse=True)
+    for a, b in zip(serial, parallel):
+        np.testing.assert_array_equal(a, b)
+    check(q, k, v)
+
+
 def test_decode_equals_last_rows_of_a_full_forward():
     q, k, v = rands((1, 4, 40, 16), (1, 2, 40, 16), (1, 2, 40, 16))
     full = cpuflash.attention(q, k, v, causal=True)

@@ -170,7 +170,7 @@ def combine_row(m_part, l_part, acc_part, out, lse, b, h, i):
 def decode(q, kf, k_strides, k_storage, prefetch, vf, v_strides, k_scale, ks_strides, v_scale,
            vs_strides, n_hkv, n_k, d, dv, n_splits, scale2, left, right, kv_lens, softcap2,
            slopes2, mask, mask_given, mask_is_bool, drop_below, seed, m_part, l_part, acc_part,
-           out, lse):
+           out, lse, serial_merge):
     """q: (B, Hq, Nq, D) any strides, compute dtype. kf, vf: 1-D views from the first element
     of K and V in their storage type (the compute dtype, float16 bits as uint16, or int8);
     element (b, h, j, c) is at ``b*s0 + h*s1 + j*s2 + c*s3`` with ``k_strides = (s0, s1, s2,
@@ -184,7 +184,9 @@ def decode(q, kf, k_strides, k_storage, prefetch, vf, v_strides, k_scale, ks_str
     array's ``n_k`` keys, and keys outside a row's band are never read.
     Writes per split: m_part, l_part (n_splits, B, Hq, Nq) and acc_part (..., Dv); then merges
     them into out (B, Hq, Nq, Dv) and lse (B, Hq, Nq) (``combine_row``), in this call: a
-    second call would cost a dispatch and its Python, 15 us of a 0.7 ms step."""
+    second call would cost a dispatch and its Python, 15 us of a 0.7 ms step. The merge runs
+    on this thread if ``serial_merge``, else spread over the threads (the same arithmetic per
+    row either way)."""
     n_b, n_hq, n_q, _ = q.shape
     group = n_hq // n_hkv
     rows = group * n_q
@@ -304,7 +306,7 @@ def decode(q, kf, k_strides, k_storage, prefetch, vf, v_strides, k_scale, ks_str
                 for c in range(dv):
                     acc_part[split, b, h, i, c] = acc[r * ld + c]
     n_rows = n_b * n_hq * n_q
-    if acc_part.size <= SERIAL_COMBINE:  # on this thread: waking the pool costs more
+    if serial_merge:  # small merges: waking the pool would cost more than the work
         for row in range(n_rows):
             b, h, i = unravel(row, n_hq, n_q)
             combine_row(m_part, l_part, acc_part, out, lse, b, h, i)
@@ -400,5 +402,6 @@ def run_decode(q, k, v, scale, band, mods, user_mask, drop, out=None, kv_scales=
     decode(q, k_view[0], k_view[1], k.dtype != dtype, prefetch, v_view[0], v_view[1], k_scale,
            ks_strides, v_scale, vs_strides, n_hkv, n_k, d, dv, n_splits, scale * LOG2_E, left,
            right, kv_lens, softcap2, slopes2, user_mask.view, user_mask.given,
-           user_mask.is_bool, drop[0], drop[1], m_part, l_part, acc_part, out, lse)
+           user_mask.is_bool, drop[0], drop[1], m_part, l_part, acc_part, out, lse,
+           acc_part.size <= SERIAL_COMBINE)
     return out, lse
