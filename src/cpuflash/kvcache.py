@@ -14,7 +14,6 @@ int8 is symmetric, one scale per token and head (``quantize_int8``): ``x ~= x8 *
 ``scale = max|x| / 127`` over the head dim, so the rounding error of an element is at most
 ``max|x| / 254`` of its own row.
 """
-import numbers
 
 import numpy as np
 
@@ -58,7 +57,7 @@ def _zeros_aligned(shape, dtype, align=64):
 
 
 def _count(name, x, minimum=1):
-    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral):
+    if not _checks.is_integer(x):
         raise TypeError(f"{name}: expected an int, got {type(x).__name__}")
     if x < minimum:
         raise ValueError(f"{name}: expected at least {minimum}, got {x}")
@@ -108,7 +107,7 @@ class KVCache:
         return self.k_t.nbytes + self.v.nbytes + scales
 
     def _layer(self, layer):
-        if isinstance(layer, (bool, np.bool_)) or not isinstance(layer, numbers.Integral):
+        if not _checks.is_integer(layer):
             raise TypeError(f"layer: expected an int, got {type(layer).__name__}")
         if not 0 <= layer < len(self.lengths):
             raise ValueError(f"layer: expected 0..{len(self.lengths) - 1}, got {layer}")

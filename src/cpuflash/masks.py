@@ -13,10 +13,10 @@ or ``-1`` for an unbounded side, and ``causal`` caps ``right`` at 0. Without ``k
 """
 import functools
 import math
-import numbers
 
 import numpy as np
 
+from ._checks import is_integer, is_real
 from ._cpu.dropout import threshold
 from ._cpu.masking import CLEAR, UNBOUNDED, tile_state_table
 
@@ -32,7 +32,7 @@ def window_sides(window):
         if x is None:
             sides.append(UNBOUNDED)
             continue
-        if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral):
+        if not is_integer(x):
             raise TypeError(f"window: {name} side must be an int or None, got {x!r}")
         if x < -1:
             raise ValueError(f"window: {name} side must be >= -1 (-1 = unbounded), got {x}")
@@ -68,7 +68,7 @@ def modifiers(softcap, alibi_slopes, n_b, n_hq):
     """``(softcap, slopes)``: a float (0.0 = off) and a float64 (B, Hq) array (zeros = off)."""
     if softcap is None:
         cap = 0.0
-    elif isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, numbers.Real):
+    elif not is_real(softcap):
         raise TypeError(f"softcap: expected a positive number or None, got {softcap!r}")
     else:
         cap = float(softcap)
@@ -175,9 +175,7 @@ def _mask_4d(mask, shape, compute_dtype):
 
 def dropout(dropout_p, seed):
     """``(drop_below, seed)`` for the kernels; ``(0, 0)`` without dropout."""
-    if type(dropout_p) is float and dropout_p == 0.0 and seed is None:  # the default, quickly
-        return 0, 0
-    if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, numbers.Real):
+    if not is_real(dropout_p):
         raise TypeError(f"dropout_p: expected a number in [0, 1), got {dropout_p!r}")
     p = float(dropout_p)
     if not 0.0 <= p < 1.0:
@@ -187,7 +185,7 @@ def dropout(dropout_p, seed):
     if seed is None:
         raise ValueError("seed: required with dropout_p > 0 (the backward pass regenerates "
                          "the dropout mask from it)")
-    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, numbers.Integral):
+    if not is_integer(seed):
         raise TypeError(f"seed: expected an int, got {seed!r}")
     if not 0 <= seed < 2**63:
         raise ValueError(f"seed: expected 0 <= seed < 2**63, got {seed}")

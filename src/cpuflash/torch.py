@@ -41,13 +41,12 @@ that alternates torch ops and cpuflash calls, start Python with ``OMP_WAIT_POLIC
 Measured on 2 busy cores, cpuflash's forward at N=512 interleaved with torch's SDPA: 3-4x
 slower without it; with it, as fast as torch or up to 1.3x faster.
 """
-import numbers
 
 import numpy as np
 import torch
 from torch.autograd.function import once_differentiable
 
-from . import api
+from . import _checks, api
 
 __all__ = ["FlashAttentionFunction", "scaled_dot_product_attention"]
 
@@ -130,7 +129,7 @@ class _Plan:
         if dropout_p and seed is None:
             # from torch's default generator: torch.manual_seed makes the mask repeat
             seed = int(torch.randint(0, 2**62, (), dtype=torch.int64).item())
-        if isinstance(dropout_p, numbers.Real) and not isinstance(dropout_p, bool):
+        if _checks.is_real(dropout_p):
             dropout_p = float(dropout_p)
         self.opts = {"causal": causal, "scale": scale, "mask": mask, "window": window,
                      "alibi_slopes": alibi_slopes, "softcap": softcap,
