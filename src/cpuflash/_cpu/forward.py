@@ -169,8 +169,6 @@ def run_forward(q, k, v, scale, band, mods, user_mask, drop, portable, out=None,
     in natural units (scores.py); ``user_mask``: a ``masks.UserMask``; ``drop``:
     ``(drop_below, seed)`` (dropout.py).
     """
-    left, right, kv_lens = band
-    softcap2, slopes2 = mods[0] * LOG2_E, mods[1] * LOG2_E
     n_b, n_hq, n_q, d = q.shape
     n_k, dv = v.shape[2], v.shape[3]
     if out is None:
@@ -186,6 +184,8 @@ def run_forward(q, k, v, scale, band, mods, user_mask, drop, portable, out=None,
                if not portable else None)
     if decoded is not None:
         return decoded
+    left, right, kv_lens = band
+    softcap2, slopes2 = mods[0] * LOG2_E, mods[1] * LOG2_E
     if kv_scales is not None:  # int8 times its per-token scale, in the compute dtype
         k, v = (x * x_scale[..., None].astype(q.dtype) for x, x_scale in zip((k, v), kv_scales))
     k, v = (x if x.dtype == q.dtype else x.astype(q.dtype) for x in (k, v))
