@@ -192,3 +192,35 @@ def test_torch_and_cupy_in_and_out():
         return
     out = cpuflash.attention(*(cupy.asarray(x) for x in (q, k, v)))
     assert isinstance(out, cupy.ndarray)
+    np.testing.assert_allclose(cupy.asnumpy(out), reference.attention(q, k, v), atol=2e-5)
+
+
+@pytest.mark.skipif(SIMULATED, reason="torch streams need a real GPU")
+def test_torch_side_stream_forward_and_backward():
+    """Inputs made on a torch side stream: the kernels run on that stream (no host wait), so
+    the results, lse and gradients (torch tensors from torch's allocator) are the reference's
+    when read on that stream, also with work queued before and after the calls."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    q, k, v, dout = rands((2, 4, 300, 64), (2, 2, 700, 64), (2, 2, 700, 64), (2, 4, 300, 64),
+                          seed=7)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        big = torch.randn(4096, 4096, device="cuda")
+        busy = big @ big  # queued ahead: the inputs' copies wait behind it on this stream
+        tq, tk, tv, tdo = (torch.from_numpy(x).cuda(non_blocking=False) for x in (q, k, v, dout))
+        out, lse = cpuflash.attention(tq, tk, tv, causal=True, return_lse=True)
+        grads = cpuflash.attention_backward(tdo, tq, tk, tv, out, lse, causal=True)
+        sums = [x.double().sum() for x in (out, *grads)]  # read on the same stream
+        del busy
+    side.synchronize()
+    assert all(isinstance(x, torch.Tensor) and x.is_cuda for x in (out, lse, *grads))
+    ref_out, ref_lse = reference.attention(q, k, v, causal=True, return_lse=True)
+    ref_grads = reference.attention_backward(dout, q, k, v, causal=True)
+    np.testing.assert_allclose(out.cpu().numpy(), ref_out, atol=2e-5)
+    np.testing.assert_allclose(lse.cpu().numpy(), ref_lse, atol=2e-5)
+    for got, ref in zip(grads, ref_grads):
+        np.testing.assert_allclose(got.cpu().numpy(), ref, atol=1e-4 * max(1, np.abs(ref).max()))
+    for got, ref in zip(sums, (ref_out, *ref_grads)):
+        assert abs(float(got) - ref.sum()) <= 1e-3 * max(1.0, np.abs(ref).sum() / 1e3)

@@ -100,31 +100,31 @@ def attention(q, k, v, *, causal, scale, mask, window, kv_lens, alibi_slopes, so
     views, kind = _inputs({"q": q, "k": k, "v": v}, device)
     dv, scale, band, mods = _options(views["q"], views["k"], views["v"], causal, scale, mask,
                                      window, kv_lens, alibi_slopes, softcap, dropout_p, seed)
-    cuda = require_device()
     views = _upload(views)
     qd = views["q"]
     out_shape = tuple(q.shape[:-1]) + (dv,)
+    like = q if kind != "numpy" else qd  # results from the caller's allocator
     if out is not None:
         if kind == "numpy":
             _checks.out_array(out, out_shape, np.dtype(qd.dtype))
-            out_dev = cuda.device_array(out_shape, dtype=qd.dtype)
+            out_dev = arrays.empty(out_shape, qd.dtype, like)[1]
         else:
             out_dev = arrays.device_view(out)
             _matches("out", out_dev, out_shape, np.dtype(qd.dtype))
+        result = out
     else:
-        out_dev = cuda.device_array(out_shape, dtype=qd.dtype)
-    lse_dev = cuda.device_array(tuple(q.shape[:-1]), dtype=np.float32)
+        result, out_dev = arrays.empty(out_shape, qd.dtype, like)
+    lse_result, lse_dev = arrays.empty(tuple(q.shape[:-1]), np.float32, like)
     run_forward(*(arrays.as_4d(views[n]) for n in "qkv"), scale, band, mods,
-                arrays.as_4d(out_dev), arrays.as_nd(lse_dev, 3))
-    if out is not None and kind == "numpy":
-        out[...] = out_dev.copy_to_host()
-        result = out
-    elif out is not None:
-        result = out
-    else:
-        result = arrays.to_caller(out_dev, kind)
+                arrays.as_4d(out_dev), arrays.as_nd(lse_dev, 3), arrays.stream_of(qd))
+    if kind == "numpy":
+        if out is not None:
+            out[...] = out_dev.copy_to_host()
+        else:
+            result = out_dev.copy_to_host()
+        lse_result = lse_dev.copy_to_host()
     if return_lse:
-        return result, arrays.to_caller(lse_dev, kind)
+        return result, lse_result
     return result
 
 
@@ -148,11 +148,14 @@ def attention_backward(dout, q, k, v, out, lse, *, causal, scale, mask, window, 
     for name in ("dout", "out"):
         _matches(name, views[name], out_shape, np.dtype(qd.dtype))
     _matches("lse", views["lse"], tuple(q.shape[:-1]), np.dtype(np.float32))
-    cuda = require_device()
     views = _upload(views)
-    grads = [cuda.device_array(tuple(x.shape), dtype=x.dtype)
+    like = q if kind != "numpy" else views["q"]
+    grads = [arrays.empty(tuple(x.shape), x.dtype, like)
              for x in (views["q"], views["k"], views["v"])]
     run_backward(*(arrays.as_4d(views[n]) for n in ("dout", "q", "k", "v", "out")),
                  arrays.as_nd(views["lse"], 3), scale, band, mods,
-                 *(arrays.as_4d(g) for g in grads))
-    return tuple(arrays.to_caller(g, kind) for g in grads)
+                 *(arrays.as_4d(g[1]) for g in grads), stream=arrays.stream_of(views["q"]),
+                 scratch=lambda shape: arrays.empty(shape, np.float32, like)[1])
+    if kind == "numpy":
+        return tuple(g[1].copy_to_host() for g in grads)
+    return tuple(g[0] for g in grads)

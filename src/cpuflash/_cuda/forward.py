@@ -31,6 +31,7 @@ import math
 import numpy as np
 from numba import float32, int64
 
+from .arrays import uploaded
 from .codegen import build, expand, join, rep
 from .runtime import load
 from .tiles import (
@@ -244,10 +245,10 @@ def kernel(d_pad, dv_pad, mods, dtype):
     return cuda.jit(signature(dtype, FORWARD_ARGS))(fn), threads, rows
 
 
-def run_forward(q, k, v, scale, band, mods, out, lse):
-    """Launch on 4-D device arrays (any strides; float16 or float32). ``band``, ``mods``: as
-    ``masks.band``/``masks.modifiers`` give them (numpy). Writes ``out`` (B, Hq, Nq, Dv) of q's
-    dtype and ``lse`` (B, Hq, Nq) float32, natural log."""
+def run_forward(q, k, v, scale, band, mods, out, lse, stream=0):
+    """Launch on 4-D device arrays (any strides; float16 or float32), on ``stream``.
+    ``band``, ``mods``: as ``masks.band``/``masks.modifiers`` give them (numpy). Writes ``out``
+    (B, Hq, Nq, Dv) of q's dtype and ``lse`` (B, Hq, Nq) float32, natural log."""
     n_b, n_hq, n_q, d = q.shape
     if out.size == 0:
         return
@@ -256,6 +257,7 @@ def run_forward(q, k, v, scale, band, mods, out, lse):
     has_mods = softcap != 0.0 or bool(np.any(slopes != 0.0))
     fn, threads, rows = kernel(pad8(d), pad8(v.shape[3]), has_mods, np.dtype(q.dtype).str)
     grid = (n_b * n_hq, -(-n_q // rows))
-    fn[grid, threads](q, k, v, np.float32(scale * LOG2_E), left, right,
-                      cuda.to_device(kv_lens.astype(np.int64)), np.float32(softcap * LOG2_E),
-                      cuda.to_device((slopes * LOG2_E).astype(np.float32)), out, lse)
+    fn[grid, threads, stream](q, k, v, np.float32(scale * LOG2_E), left, right,
+                              uploaded(kv_lens.astype(np.int64, copy=False)),
+                              np.float32(softcap * LOG2_E),
+                              uploaded((slopes * LOG2_E).astype(np.float32)), out, lse)
