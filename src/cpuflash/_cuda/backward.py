@@ -23,8 +23,9 @@ import math
 import numpy as np
 from numba import float32, int64
 
-from .arrays import uploaded
+from .arrays import uploaded, view
 from .codegen import build, expand, rep
+from .launch import Launcher
 from .runtime import load
 from .tiles import (
     DKDV_ARGS,
@@ -315,15 +316,18 @@ def _names(**consts):
 
 @functools.cache
 def kernels(d_pad, dv_pad, mods, dtype):
-    return (cuda.jit(signature(dtype, PREP_ARGS))(prep),) + tuple(
-        (cuda.jit(signature(dtype, args))(fn), threads, rows) for (fn, threads, rows), args in
+    def compiled(fn, args):
+        return Launcher(cuda.jit(signature(dtype, args))(fn))
+
+    return (compiled(prep, PREP_ARGS),) + tuple(
+        (compiled(fn, args), threads, rows) for (fn, threads, rows), args in
         ((make_dkdv(d_pad, dv_pad, mods), DKDV_ARGS), (make_dq(d_pad, dv_pad, mods), DQ_ARGS)))
 
 
-def run_backward(dout, q, k, v, out, lse, scale, band, mods, dq, dk, dv, stream=0,
+def run_backward(dout, q, k, v, out, lse, scale, band, mods, dq, dk, dv, stream=None,
                  scratch=None):
-    """Launch on 4-D device arrays, on ``stream``; writes ``dq, dk, dv`` (4-D, the dtypes of
-    q, k, v). ``scratch(shape)``: a new float32 device array (default: numba's allocator)."""
+    """Launch on 4-D ``GpuArray``s, on the raw ``stream``; writes ``dq, dk, dv`` (4-D, the
+    dtypes of q, k, v). ``scratch(shape)``: a new float32 ``GpuArray`` (default: numba's)."""
     n_b, n_hq, n_q, d = q.shape
     n_hkv, n_k, d_v = k.shape[1], k.shape[2], v.shape[3]
     left, right, kv_lens = band
@@ -332,16 +336,16 @@ def run_backward(dout, q, k, v, out, lse, scale, band, mods, dq, dk, dv, stream=
     prep_k, (dkdv_k, t1, r1), (dq_k, t2, r2) = kernels(pad8(d), pad8(d_v), has_mods,
                                                          np.dtype(q.dtype).str)
     if scratch is None:
-        scratch = lambda shape: cuda.device_array(shape, dtype=np.float32)  # noqa: E731
+        scratch = lambda shape: view(cuda.device_array(shape, dtype=np.float32))  # noqa: E731
     delta = scratch((n_b, n_hq, n_q))
     lse2 = scratch((n_b, n_hq, n_q))
     rows = n_b * n_hq * n_q
     if rows:
-        prep_k[-(-rows // 128), 128, stream](dout, out, lse, delta, lse2)
-    args = (q, k, v, dout, lse2, delta, np.float32(scale * LOG2_E), left, right,
-            uploaded(kv_lens.astype(np.int64, copy=False)), np.float32(softcap * LOG2_E),
+        prep_k(-(-rows // 128), 128, stream, dout, out, lse, delta, lse2)
+    args = (q, k, v, dout, lse2, delta, scale * LOG2_E, left, right,
+            uploaded(kv_lens.astype(np.int64, copy=False)), softcap * LOG2_E,
             uploaded((slopes * LOG2_E).astype(np.float32)))
     if n_b * n_hkv and n_k:
-        dkdv_k[(n_b * n_hkv, -(-n_k // r1)), t1, stream](*args, dk, dv)
+        dkdv_k((n_b * n_hkv, -(-n_k // r1)), t1, stream, *args, dk, dv)
     if rows:
-        dq_k[(n_b * n_hq, -(-n_q // r2)), t2, stream](*args, np.float32(scale), dq)
+        dq_k((n_b * n_hq, -(-n_q // r2)), t2, stream, *args, scale, dq)

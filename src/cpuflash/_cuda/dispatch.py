@@ -10,7 +10,7 @@ import numpy as np
 
 from .. import _checks, masks
 from . import arrays
-from .runtime import require_device
+from .runtime import load, require_device
 from .tiles import MAX_HEAD_DIM
 
 GPU_DTYPES = (np.dtype(np.float16), np.dtype(np.float32))
@@ -31,7 +31,7 @@ def _array(name, x):
 def _host(name, x):
     """Small option arrays (kv_lens, alibi_slopes) given on the GPU: read back (B or H values)."""
     if x is not None and not isinstance(x, np.ndarray) and arrays.is_gpu_array(x):
-        return arrays.device_view(x).copy_to_host()
+        return load().as_cuda_array(x).copy_to_host()
     return x
 
 
@@ -49,7 +49,7 @@ def _inputs(named, device):
             raise TypeError(f"{name}: expected {where} like {next(iter(named))}, got "
                             f"{type(x).__name__}")
         if on_gpu:
-            views[name] = arrays.device_view(x)
+            views[name] = arrays.view(x)
         else:
             if not isinstance(x, np.ndarray):
                 raise TypeError(f"{name}: expected a numpy.ndarray, got {type(x).__name__}")
@@ -59,9 +59,10 @@ def _inputs(named, device):
 
 
 def _upload(views):
+    """Numpy inputs (``device="cuda"``) copied to the GPU, as ``GpuArray``s."""
     cuda = require_device()
-    return {n: x if not isinstance(x, np.ndarray) else cuda.to_device(np.ascontiguousarray(x))
-            for n, x in views.items()}
+    return {n: x if not isinstance(x, np.ndarray)
+            else arrays.view(cuda.to_device(np.ascontiguousarray(x))) for n, x in views.items()}
 
 
 def _options(q, k, v, causal, scale, mask, window, kv_lens, alibi_slopes, softcap, dropout_p,
@@ -103,26 +104,26 @@ def attention(q, k, v, *, causal, scale, mask, window, kv_lens, alibi_slopes, so
     views = _upload(views)
     qd = views["q"]
     out_shape = tuple(q.shape[:-1]) + (dv,)
-    like = q if kind != "numpy" else qd  # results from the caller's allocator
-    if out is not None:
-        if kind == "numpy":
-            _checks.out_array(out, out_shape, np.dtype(qd.dtype))
-            out_dev = arrays.empty(out_shape, qd.dtype, like)[1]
-        else:
-            out_dev = arrays.device_view(out)
-            _matches("out", out_dev, out_shape, np.dtype(qd.dtype))
+    like = q if kind != "numpy" else qd.owner  # results from the caller's allocator
+    if out is not None and kind != "numpy":
+        if not arrays.is_gpu_array(out):
+            raise TypeError(f"out: expected a GPU array like q, got {type(out).__name__}")
+        out_dev = arrays.view(out)
+        _matches("out", out_dev, out_shape, np.dtype(qd.dtype))
         result = out
     else:
+        if out is not None:
+            _checks.out_array(out, out_shape, np.dtype(qd.dtype))
         result, out_dev = arrays.empty(out_shape, qd.dtype, like)
     lse_result, lse_dev = arrays.empty(tuple(q.shape[:-1]), np.float32, like)
     run_forward(*(arrays.as_4d(views[n]) for n in "qkv"), scale, band, mods,
-                arrays.as_4d(out_dev), arrays.as_nd(lse_dev, 3), arrays.stream_of(qd))
+                arrays.as_4d(out_dev), arrays.as_nd(lse_dev, 3), qd.stream)
     if kind == "numpy":
-        if out is not None:
-            out[...] = out_dev.copy_to_host()
-        else:
-            result = out_dev.copy_to_host()
+        result = out_dev.copy_to_host()
         lse_result = lse_dev.copy_to_host()
+        if out is not None:
+            out[...] = result
+            result = out
     if return_lse:
         return result, lse_result
     return result
@@ -149,12 +150,12 @@ def attention_backward(dout, q, k, v, out, lse, *, causal, scale, mask, window, 
         _matches(name, views[name], out_shape, np.dtype(qd.dtype))
     _matches("lse", views["lse"], tuple(q.shape[:-1]), np.dtype(np.float32))
     views = _upload(views)
-    like = q if kind != "numpy" else views["q"]
+    like = q if kind != "numpy" else views["q"].owner
     grads = [arrays.empty(tuple(x.shape), x.dtype, like)
              for x in (views["q"], views["k"], views["v"])]
     run_backward(*(arrays.as_4d(views[n]) for n in ("dout", "q", "k", "v", "out")),
                  arrays.as_nd(views["lse"], 3), scale, band, mods,
-                 *(arrays.as_4d(g[1]) for g in grads), stream=arrays.stream_of(views["q"]),
+                 *(arrays.as_4d(g[1]) for g in grads), stream=views["q"].stream,
                  scratch=lambda shape: arrays.empty(shape, np.float32, like)[1])
     if kind == "numpy":
         return tuple(g[1].copy_to_host() for g in grads)

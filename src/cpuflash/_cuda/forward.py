@@ -33,6 +33,7 @@ from numba import float32, int64
 
 from .arrays import uploaded
 from .codegen import build, expand, join, rep
+from .launch import Launcher
 from .runtime import load
 from .tiles import (
     FORWARD_ARGS,
@@ -242,11 +243,11 @@ def make_forward(d_pad, dv_pad, mods):
 @functools.cache
 def kernel(d_pad, dv_pad, mods, dtype):
     fn, threads, rows = make_forward(d_pad, dv_pad, mods)
-    return cuda.jit(signature(dtype, FORWARD_ARGS))(fn), threads, rows
+    return Launcher(cuda.jit(signature(dtype, FORWARD_ARGS))(fn)), threads, rows
 
 
-def run_forward(q, k, v, scale, band, mods, out, lse, stream=0):
-    """Launch on 4-D device arrays (any strides; float16 or float32), on ``stream``.
+def run_forward(q, k, v, scale, band, mods, out, lse, stream=None):
+    """Launch on 4-D ``GpuArray``s (any strides; float16 or float32), on the raw ``stream``.
     ``band``, ``mods``: as ``masks.band``/``masks.modifiers`` give them (numpy). Writes ``out``
     (B, Hq, Nq, Dv) of q's dtype and ``lse`` (B, Hq, Nq) float32, natural log."""
     n_b, n_hq, n_q, d = q.shape
@@ -257,7 +258,6 @@ def run_forward(q, k, v, scale, band, mods, out, lse, stream=0):
     has_mods = softcap != 0.0 or bool(np.any(slopes != 0.0))
     fn, threads, rows = kernel(pad8(d), pad8(v.shape[3]), has_mods, np.dtype(q.dtype).str)
     grid = (n_b * n_hq, -(-n_q // rows))
-    fn[grid, threads, stream](q, k, v, np.float32(scale * LOG2_E), left, right,
-                              uploaded(kv_lens.astype(np.int64, copy=False)),
-                              np.float32(softcap * LOG2_E),
-                              uploaded((slopes * LOG2_E).astype(np.float32)), out, lse)
+    fn(grid, threads, stream, q, k, v, scale * LOG2_E, left, right,
+       uploaded(kv_lens.astype(np.int64, copy=False)), softcap * LOG2_E,
+       uploaded((slopes * LOG2_E).astype(np.float32)), out, lse)
