@@ -224,3 +224,24 @@ def test_torch_side_stream_forward_and_backward():
         np.testing.assert_allclose(got.cpu().numpy(), ref, atol=1e-4 * max(1, np.abs(ref).max()))
     for got, ref in zip(sums, (ref_out, *ref_grads)):
         assert abs(float(got) - ref.sum()) <= 1e-3 * max(1.0, np.abs(ref).sum() / 1e3)
+
+
+def test_generated_sources_are_content_addressed_files(tmp_path, monkeypatch):
+    """codegen.build writes each kernel's text once, to a file named by the text and the
+    constants it reads (numba-cuda's disk cache keys on the file, not on global values), and
+    compiles from it; with CPUFLASH_CUDA_CACHE_DIR=0 nothing is written and nothing cached."""
+    from cpuflash._cuda import codegen
+    monkeypatch.setenv("CPUFLASH_CUDA_CACHE_DIR", str(tmp_path))
+    source = "def kern(x):\n    return x * TM\n"
+    first = codegen.build(source, "kern", {"TM": 4})
+    again = codegen.build(source, "kern", {"TM": 4})
+    other = codegen.build(source, "kern", {"TM": 2})
+    files = sorted(tmp_path.glob("kern_*.py"))
+    assert len(files) == 2 and all(f.read_text() == source for f in files)
+    assert first.__code__.co_filename == again.__code__.co_filename
+    assert first.__code__.co_filename != other.__code__.co_filename
+    assert first(3) == 12 and other(3) == 6 and first.cacheable and other.cacheable
+    monkeypatch.setenv("CPUFLASH_CUDA_CACHE_DIR", "0")
+    uncached = codegen.build(source, "kern", {"TM": 3})
+    assert not uncached.cacheable and uncached(3) == 9
+    assert len(list(tmp_path.glob("kern_*.py"))) == 2

@@ -80,6 +80,9 @@ def view(x):
         dev = x if getattr(x, "__cuda_ndarray__", False) else load().as_cuda_array(x)
         return GpuArray(0, tuple(dev.shape), tuple(dev.strides), np.dtype(dev.dtype), None, dev)
     desc = _detached(x).__cuda_array_interface__
+    if desc.get("mask") is not None:
+        raise NotImplementedError("masked GPU arrays (a __cuda_array_interface__ mask) are not "
+                                  "supported")
     shape = tuple(desc["shape"])
     dtype = np.dtype(desc["typestr"])
     strides = desc.get("strides")

@@ -25,7 +25,7 @@ from numba import float32, int64
 
 from .arrays import uploaded, view
 from .codegen import build, expand, rep
-from .launch import Launcher
+from .launch import compiled
 from .runtime import load
 from .tiles import (
     DKDV_ARGS,
@@ -316,11 +316,8 @@ def _names(**consts):
 
 @functools.cache
 def kernels(d_pad, dv_pad, mods, dtype):
-    def compiled(fn, args):
-        return Launcher(cuda.jit(signature(dtype, args))(fn))
-
-    return (compiled(prep, PREP_ARGS),) + tuple(
-        (compiled(fn, args), threads, rows) for (fn, threads, rows), args in
+    return (compiled(prep, signature(dtype, PREP_ARGS)),) + tuple(
+        (compiled(fn, signature(dtype, args)), threads, rows) for (fn, threads, rows), args in
         ((make_dkdv(d_pad, dv_pad, mods), DKDV_ARGS), (make_dq(d_pad, dv_pad, mods), DQ_ARGS)))
 
 

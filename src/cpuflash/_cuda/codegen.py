@@ -8,9 +8,12 @@ shape, and compiled from that text. ``rep`` writes such a block, ``expand`` puts
 template at lines ``@name``, and ``build`` turns the text into a Python function (kept in
 ``linecache`` so tracebacks and the simulator show the generated lines).
 """
+import hashlib
 import itertools
 import linecache
 import os
+
+import numpy as np
 
 
 def rep(fmt, **ranges):
@@ -42,19 +45,58 @@ def expand(template, **blocks):
     return "\n".join(out) + "\n"
 
 
-_count = itertools.count()
+def cache_dir():
+    """Where the generated kernel sources are written, so that numba-cuda can keep their
+    compiled code on disk (``cuda.jit(cache=True)`` needs a real source file): the
+    ``CPUFLASH_CUDA_CACHE_DIR`` directory, else ``~/.cache/cpuflash/cuda`` (``$XDG_CACHE_HOME``
+    honoured); None (compile in every process) for ``CPUFLASH_CUDA_CACHE_DIR=0`` or where the
+    directory cannot be written."""
+    setting = os.environ.get("CPUFLASH_CUDA_CACHE_DIR", "")
+    if setting == "0":
+        return None
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    path = setting or os.path.join(base, "cpuflash", "cuda")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError:
+        return None
+    return path if os.access(path, os.W_OK) else None
+
+
+def _digest(source, namespace):
+    """A name for the kernel that the source text and the constants it reads decide: numba's
+    cache index keys a kernel on its file, bytecode and signature, not on the values of the
+    globals it reads (tile sizes), so those go into the file's name."""
+    import numba_cuda
+    constants = sorted((key, repr(value)) for key, value in namespace.items()
+                       if isinstance(value, (bool, int, float, np.integer, np.floating)))
+    text = "\n".join([source, repr(constants), numba_cuda.__version__])
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
 def build(source, name, namespace):
-    """The function ``name`` defined by ``source``, with globals ``namespace``."""
-    filename = f"<cpuflash-cuda-{name}-{next(_count)}>"
-    if os.environ.get("CPUFLASH_CUDA_SOURCE_DIR"):  # to debug: write the text where Numba
-        filename = os.path.join(os.environ["CPUFLASH_CUDA_SOURCE_DIR"], filename[1:-1] + ".py")
-        with open(filename, "w") as f:  # and tracebacks can read it
-            f.write(source)
+    """The function ``name`` defined by ``source``, with globals ``namespace``. The text is
+    written to a file named by its digest in ``cache_dir()`` (once: the name never changes
+    meaning), so tracebacks show the generated lines and numba-cuda can cache the compiled
+    kernel; ``fn.cacheable`` says whether it can."""
+    directory = cache_dir()
+    digest = _digest(source, namespace)
+    filename = f"<cpuflash-cuda-{name}-{digest}>"
+    if directory is not None:
+        path = os.path.join(directory, f"{name}_{digest}.py")
+        try:
+            if not os.path.exists(path):
+                partial = f"{path}.{os.getpid()}.tmp"
+                with open(partial, "w") as f:
+                    f.write(source)
+                os.replace(partial, path)  # whole or not at all, for processes side by side
+            filename = path
+        except OSError:
+            directory = None
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-    glb = dict(namespace)
+    glb = dict(namespace, __name__=f"cpuflash_cuda_{name}")
     exec(compile(source, filename, "exec"), glb)  # noqa: S102 - our own generated text
     fn = glb[name]
     fn.source = source
+    fn.cacheable = directory is not None
     return fn

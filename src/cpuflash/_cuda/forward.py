@@ -33,7 +33,7 @@ from numba import float32, int64
 
 from .arrays import uploaded
 from .codegen import build, expand, join, rep
-from .launch import Launcher
+from .launch import compiled
 from .runtime import load
 from .tiles import (
     FORWARD_ARGS,
@@ -243,7 +243,7 @@ def make_forward(d_pad, dv_pad, mods):
 @functools.cache
 def kernel(d_pad, dv_pad, mods, dtype):
     fn, threads, rows = make_forward(d_pad, dv_pad, mods)
-    return Launcher(cuda.jit(signature(dtype, FORWARD_ARGS))(fn)), threads, rows
+    return compiled(fn, signature(dtype, FORWARD_ARGS)), threads, rows
 
 
 def run_forward(q, k, v, scale, band, mods, out, lse, stream=None):
