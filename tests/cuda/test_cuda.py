@@ -146,6 +146,13 @@ def test_out_and_empty():
     assert empty.shape == (1, 2, 0, 8)
     none = cpuflash.attention(*on_gpu(q, k[:, :, :0], v[:, :, :0])).copy_to_host()
     assert (none == 0).all()
+    with pytest.raises(TypeError, match="out: expected a GPU array"):
+        cpuflash.attention(*on_gpu(q, k, v), out=np.empty(q.shape, np.float32))
+    with pytest.raises(ValueError, match="out: expected shape"):
+        cpuflash.attention(*on_gpu(q, k, v), out=cuda.device_array((1, 2, 5, 7), np.float32))
+    host_out = np.empty(q.shape, np.float32)  # numpy inputs on the GPU: out is numpy
+    assert cpuflash.attention(q, k, v, device="cuda", out=host_out) is host_out
+    np.testing.assert_allclose(host_out, reference.attention(q, k, v), atol=2e-5)
 
 
 @pytest.mark.parametrize("kwargs, error", [

@@ -120,7 +120,7 @@ def attention(q, k, v, *, causal, scale, mask, window, kv_lens, alibi_slopes, so
                 arrays.as_4d(out_dev), arrays.as_nd(lse_dev, 3), qd.stream)
     if kind == "numpy":
         result = out_dev.copy_to_host()
-        lse_result = lse_dev.copy_to_host()
+        lse_result = lse_dev.copy_to_host() if return_lse else None
         if out is not None:
             out[...] = result
             result = out
