@@ -28,6 +28,17 @@ def test_info_json(capsys):
     assert facts["vector_bytes"] in (16, 32, 64) and facts["block_k"] > 0
 
 
+
+@pytest.mark.parametrize("setting", ["0", "custom"])
+def test_info_names_the_cuda_kernel_cache(setting, tmp_path, monkeypatch, capsys):
+    where = str(tmp_path / "kernels") if setting == "custom" else "0"
+    monkeypatch.setenv("CPUFLASH_CUDA_CACHE_DIR", where)
+    cli.main(["info", "--json"])
+    shown = json.loads(capsys.readouterr().out)["cuda_kernel_cache"]
+    assert shown == (where if setting == "custom" else "off (CPUFLASH_CUDA_CACHE_DIR=0)")
+    assert not (tmp_path / "kernels").exists()  # reported, not created
+
+
 @pytest.mark.parametrize("option", [["--shape", "1,2,64"], ["--decode-case", "2,300,int4"]])
 def test_bad_shape_option(option):
     with pytest.raises(SystemExit):

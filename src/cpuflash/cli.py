@@ -235,6 +235,7 @@ def info(args):
     import cpuflash
     from cpuflash import config
     from cpuflash._cpu import _jit
+    from cpuflash._cuda import codegen  # numpy only: numba.cuda stays unimported
 
     q, k, v = (np.zeros((1, 1, 4, 8), np.float32) for _ in range(3))
     cpuflash.attention(q, k, v)  # starts the thread pool, so the layer is known
@@ -250,6 +251,7 @@ def info(args):
         "cache": (f"off ({', '.join(_jit.cache_fallbacks)})" if _jit.cache_fallbacks
                   else "on" if config.CACHE_ENABLED else "off (CPUFLASH_DISABLE_CACHE)"),
         "cache_dir": _cache_dir(),
+        "cuda_kernel_cache": codegen.cache_location() or "off (CPUFLASH_CUDA_CACHE_DIR=0)",
     }
     if args.json:
         json.dump(facts, sys.stdout, indent=1)

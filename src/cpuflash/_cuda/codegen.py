@@ -45,17 +45,24 @@ def expand(template, **blocks):
     return "\n".join(out) + "\n"
 
 
-def cache_dir():
-    """Where the generated kernel sources are written, so that numba-cuda can keep their
-    compiled code on disk (``cuda.jit(cache=True)`` needs a real source file): the
+def cache_location():
+    """Where the generated kernel sources go (see ``cache_dir``): the
     ``CPUFLASH_CUDA_CACHE_DIR`` directory, else ``~/.cache/cpuflash/cuda`` (``$XDG_CACHE_HOME``
-    honoured); None (compile in every process) for ``CPUFLASH_CUDA_CACHE_DIR=0`` or where the
-    directory cannot be written."""
+    honoured); None for ``CPUFLASH_CUDA_CACHE_DIR=0``. Nothing is created here."""
     setting = os.environ.get("CPUFLASH_CUDA_CACHE_DIR", "")
     if setting == "0":
         return None
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    path = setting or os.path.join(base, "cpuflash", "cuda")
+    return setting or os.path.join(base, "cpuflash", "cuda")
+
+
+def cache_dir():
+    """``cache_location()``, created: where the generated kernel sources are written, so that
+    numba-cuda can keep their compiled code on disk (``cuda.jit(cache=True)`` needs a real
+    source file); None (compile in every process) when it is off or cannot be written."""
+    path = cache_location()
+    if path is None:
+        return None
     try:
         os.makedirs(path, exist_ok=True)
     except OSError:
