@@ -252,3 +252,8 @@ def test_generated_sources_are_content_addressed_files(tmp_path, monkeypatch):
     uncached = codegen.build(source, "kern", {"TM": 3})
     assert not uncached.cacheable and uncached(3) == 9
     assert len(list(tmp_path.glob("kern_*.py"))) == 2
+    blocked = tmp_path / "a_file"
+    blocked.write_text("")  # a directory cannot be made here: compile without a cache
+    monkeypatch.setenv("CPUFLASH_CUDA_CACHE_DIR", str(blocked / "sub"))
+    unwritable = codegen.build(source, "kern", {"TM": 5})
+    assert not unwritable.cacheable and unwritable(3) == 15
