@@ -181,6 +181,13 @@ def test_dtype_errors():
     with pytest.raises(NotImplementedError, match="256"):
         cpuflash.attention(*on_gpu(big, big, big))
 
+    class Masked:  # a producer that exports a validity mask: refused, never read
+        __cuda_array_interface__ = {"shape": (2, 8), "typestr": "<f4", "data": (0, False),
+                                    "version": 3, "mask": object()}
+
+    with pytest.raises(NotImplementedError, match="masked"):
+        cpuflash.attention(Masked(), Masked(), Masked())
+
 
 @pytest.mark.skipif(SIMULATED, reason="torch/CuPy interop needs a real GPU")
 def test_torch_and_cupy_in_and_out():

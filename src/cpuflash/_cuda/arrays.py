@@ -76,13 +76,15 @@ def _c_strides(shape, itemsize):
 
 def view(x):
     """``x`` (a GPU array of any kind) as a ``GpuArray``, in place, with no host sync."""
-    if simulated():
-        dev = x if getattr(x, "__cuda_ndarray__", False) else load().as_cuda_array(x)
-        return GpuArray(0, tuple(dev.shape), tuple(dev.strides), np.dtype(dev.dtype), None, dev)
+    if getattr(x, "__cuda_ndarray__", False) and simulated():
+        return GpuArray(0, tuple(x.shape), tuple(x.strides), np.dtype(x.dtype), None, x)
     desc = _detached(x).__cuda_array_interface__
     if desc.get("mask") is not None:
         raise NotImplementedError("masked GPU arrays (a __cuda_array_interface__ mask) are not "
                                   "supported")
+    if simulated():
+        dev = load().as_cuda_array(x)
+        return GpuArray(0, tuple(dev.shape), tuple(dev.strides), np.dtype(dev.dtype), None, dev)
     shape = tuple(desc["shape"])
     dtype = np.dtype(desc["typestr"])
     strides = desc.get("strides")

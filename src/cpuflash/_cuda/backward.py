@@ -23,7 +23,7 @@ import math
 import numpy as np
 from numba import float32, int64
 
-from .arrays import uploaded, view
+from .arrays import view
 from .codegen import build, expand, rep
 from .launch import compiled
 from .runtime import load
@@ -43,6 +43,7 @@ from .tiles import (
     grad_lines,
     index_mask,
     last_key,
+    option_args,
     pad8,
     shared_size,
     shfl_sync,
@@ -327,9 +328,7 @@ def run_backward(dout, q, k, v, out, lse, scale, band, mods, dq, dk, dv, stream=
     dtypes of q, k, v). ``scratch(shape)``: a new float32 ``GpuArray`` (default: numba's)."""
     n_b, n_hq, n_q, d = q.shape
     n_hkv, n_k, d_v = k.shape[1], k.shape[2], v.shape[3]
-    left, right, kv_lens = band
-    softcap, slopes = mods
-    has_mods = softcap != 0.0 or bool(np.any(slopes != 0.0))
+    options, has_mods = option_args(scale, band, mods)
     prep_k, (dkdv_k, t1, r1), (dq_k, t2, r2) = kernels(pad8(d), pad8(d_v), has_mods,
                                                          np.dtype(q.dtype).str)
     if scratch is None:
@@ -339,9 +338,7 @@ def run_backward(dout, q, k, v, out, lse, scale, band, mods, dq, dk, dv, stream=
     rows = n_b * n_hq * n_q
     if rows:
         prep_k(-(-rows // 128), 128, stream, dout, out, lse, delta, lse2)
-    args = (q, k, v, dout, lse2, delta, scale * LOG2_E, left, right,
-            uploaded(kv_lens.astype(np.int64, copy=False)), softcap * LOG2_E,
-            uploaded((slopes * LOG2_E).astype(np.float32)))
+    args = (q, k, v, dout, lse2, delta, *options)
     if n_b * n_hkv and n_k:
         dkdv_k((n_b * n_hkv, -(-n_k // r1)), t1, stream, *args, dk, dv)
     if rows:

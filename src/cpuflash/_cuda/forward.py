@@ -31,7 +31,6 @@ import math
 import numpy as np
 from numba import float32, int64
 
-from .arrays import uploaded
 from .codegen import build, expand, join, rep
 from .launch import compiled
 from .runtime import load
@@ -39,7 +38,6 @@ from .tiles import (
     FORWARD_ARGS,
     FULL_MASK,
     LN2,
-    LOG2_E,
     NEG_INF,
     ONE,
     ZERO,
@@ -51,6 +49,7 @@ from .tiles import (
     group_width,
     index_mask,
     last_key,
+    option_args,
     pad8,
     shared_size,
     shfl_sync,
@@ -253,11 +252,6 @@ def run_forward(q, k, v, scale, band, mods, out, lse, stream=None):
     n_b, n_hq, n_q, d = q.shape
     if out.size == 0:
         return
-    left, right, kv_lens = band
-    softcap, slopes = mods
-    has_mods = softcap != 0.0 or bool(np.any(slopes != 0.0))
+    options, has_mods = option_args(scale, band, mods)
     fn, threads, rows = kernel(pad8(d), pad8(v.shape[3]), has_mods, np.dtype(q.dtype).str)
-    grid = (n_b * n_hq, -(-n_q // rows))
-    fn(grid, threads, stream, q, k, v, scale * LOG2_E, left, right,
-       uploaded(kv_lens.astype(np.int64, copy=False)), softcap * LOG2_E,
-       uploaded((slopes * LOG2_E).astype(np.float32)), out, lse)
+    fn((n_b * n_hq, -(-n_q // rows)), threads, stream, q, k, v, *options, out, lse)

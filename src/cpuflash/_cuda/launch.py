@@ -41,7 +41,9 @@ class Launcher:
                     kinds.append(ctypes.c_int64)
                 else:  # pragma: no cover - the kernels take no other kinds
                     raise TypeError(f"no direct launch for arguments of type {ty}")
-            self._compiled = compiled._codelibrary.get_cufunc().kernel, kinds
+            from cuda.core import LaunchConfig, launch
+            self._compiled = compiled._codelibrary.get_cufunc().kernel, kinds, (LaunchConfig,
+                                                                                 launch)
         return self._compiled
 
     def __call__(self, grid, block, stream, *args):
@@ -49,8 +51,7 @@ class Launcher:
             self.dispatcher[grid, block](*(a.owner if isinstance(a, GpuArray) else a
                                            for a in args))
             return
-        from cuda.core import LaunchConfig, launch
-        kernel, kinds = self._kernel()
+        kernel, kinds, (make_config, launch) = self._kernel()
         if len(args) != len(kinds):
             raise TypeError(f"kernel takes {len(kinds)} arguments, got {len(args)}")
         words = []
@@ -64,8 +65,8 @@ class Launcher:
             else:
                 words.append(kind(arg))
         grid = tuple(grid) if isinstance(grid, tuple) else (grid,)
-        launch(core_stream(stream), LaunchConfig(grid=grid, block=block, shmem_size=0),
-               kernel, *words)
+        launch(core_stream(stream), make_config(grid=grid, block=block, shmem_size=0), kernel,
+               *words)
 
 
 def compiled(fn, signature):

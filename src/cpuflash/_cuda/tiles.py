@@ -21,6 +21,7 @@ import math
 import numpy as np
 from numba import float32
 
+from .arrays import uploaded
 from .runtime import load, simulated
 
 cuda = load()
@@ -227,6 +228,18 @@ def signature(dtype, pattern):
              "S": types.Array(float32, 2, "A"), "I": types.Array(types.int64, 1, "A"),
              "f": float32, "i": types.int64}
     return tuple(table[c] for c in pattern)
+
+
+def option_args(scale, band, mods):
+    """The option arguments every kernel takes after its arrays, ``(scale2, left, right,
+    kv_lens, softcap2, slopes2)`` (the ``fiiIfS`` of the patterns below; base-2 units, the
+    small arrays on the device, uploaded once per content), and whether softcap or ALiBi is on
+    (which kernel variant runs). ``band``, ``mods``: as ``masks.band``/``masks.modifiers``."""
+    left, right, kv_lens = band
+    softcap, slopes = mods
+    has_mods = softcap != 0.0 or bool(np.any(slopes != 0.0))
+    return (scale * LOG2_E, left, right, uploaded(kv_lens.astype(np.int64, copy=False)),
+            softcap * LOG2_E, uploaded((slopes * LOG2_E).astype(np.float32))), has_mods
 
 
 FORWARD_ARGS = "XXXfiiIfSXL"
