@@ -27,13 +27,14 @@ It uses all 255 registers (ptxas), so two blocks of 128 threads per multiprocess
 """
 import functools
 import math
+import os
 
 import numpy as np
 from numba import float32, int64
 
 from .codegen import build, expand, join, rep
 from .launch import compiled
-from .runtime import load
+from .runtime import device_capability, load, simulated
 from .tiles import (
     FORWARD_ARGS,
     FULL_MASK,
@@ -239,6 +240,15 @@ def make_forward(d_pad, dv_pad, mods):
     return build(source, "forward", names), NT, BM
 
 
+def tensor_cores(q, k, v):
+    """Whether the tensor-core kernel (``forward_mma``) takes a call (``forward_mma.usable``):
+    never in the simulator, nor with ``CPUFLASH_CUDA_MMA=0``."""
+    if simulated() or os.environ.get("CPUFLASH_CUDA_MMA", "") == "0":
+        return False
+    from .forward_mma import usable
+    return usable(q, k, v, device_capability())
+
+
 @functools.cache
 def kernel(d_pad, dv_pad, mods, dtype):
     fn, threads, rows = make_forward(d_pad, dv_pad, mods)
@@ -252,6 +262,9 @@ def run_forward(q, k, v, scale, band, mods, out, lse, stream=None):
     n_b, n_hq, n_q, d = q.shape
     if out.size == 0:
         return
+    if tensor_cores(q, k, v):
+        from . import forward_mma
+        return forward_mma.run_forward(q, k, v, scale, band, mods, out, lse, stream)
     options, has_mods = option_args(scale, band, mods)
     fn, threads, rows = kernel(pad8(d), pad8(v.shape[3]), has_mods, np.dtype(q.dtype).str)
     fn((n_b * n_hq, -(-n_q // rows)), threads, stream, q, k, v, *options, out, lse)

@@ -33,3 +33,16 @@ def require_device():
 def simulated():
     from numba import config
     return bool(config.ENABLE_CUDASIM)
+
+
+_capabilities = {}
+
+
+def device_capability():
+    """``(major, minor)`` of the current CUDA device, looked up once per device."""
+    cuda = load()
+    device = cuda.get_current_device()
+    found = _capabilities.get(device.id)
+    if found is None:
+        found = _capabilities[device.id] = tuple(device.compute_capability)
+    return found

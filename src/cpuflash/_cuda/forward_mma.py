@@ -1,0 +1,294 @@
+"""Forward pass on the tensor cores: the same algorithm as ``forward.py``, with both products
+(``S = Q K^T`` and ``P V``) as warp-wide ``mma.sync`` in 3xTF32 (``mma.py``: float32-class
+accuracy, three TF32 MMAs per product).
+
+One block of 4 warps per (query block of 64 rows, batch * head); warp ``w`` owns rows
+``16 w .. 16 w + 15`` of the block, and a thread holds, in the MMA's accumulator layout, two
+rows (``g`` and ``g + 8``, ``g = lane // 4``) of S and of the output:
+
+    Q fragments: loaded once, scaled by scale * log2(e), split into TF32 big + small parts
+    for each key tile the block can see (64 keys):
+        K tile -> shared memory, split (big, small side by side)
+        S   = Q K^T                           # 8 n-tiles x D/8 k-steps x 3 MMAs per warp
+        softcap / ALiBi / band mask; online softmax per row (4 lanes share a row: 2 shuffles)
+        V tile -> shared memory (transposed: [dim][key]), split
+        acc = alpha * acc + P V               # P straight from S's registers (see below)
+    out = acc / l;  lse = ln(2) * (m + log2(l))
+
+The k index of an MMA is a summation index, so any order of it serves if A and B agree. The
+kernel maps the MMA's ``k = t`` to element ``2t`` and ``k = t + 4`` to ``2t + 1`` of each
+group of 8 (dims in ``Q K^T``, keys in ``P V``): then a thread's two neighbouring S values
+(``c0, c1`` of the accumulator) are exactly its A operands ``a0, a2`` of ``P V``, so P needs
+no shuffle and no shared memory, and each B operand pair (``b0, b1``, with big and small parts)
+is four neighbouring floats in shared memory: one 16-byte load.
+
+Shared rows are padded to ``2 * width + 16`` floats, so the 8 lanes of each quarter warp read
+8 different 16-byte bank groups; tiles are stored with one thread per column (K) or per key
+(V), so the stores are contiguous too.
+
+Only on a real GPU of compute capability 8.0 or newer (``usable``); the simulator and other
+devices run ``forward.py``.
+"""
+import functools
+import math
+
+import numpy as np
+from numba import float32, int64
+
+from .codegen import build, expand, join, rep
+from .launch import compiled
+from .mma import copy_async16, copy_commit, copy_wait, copy_wait_all, mma_tf32, tf32
+from .runtime import load
+from .tiles import (
+    FORWARD_ARGS,
+    FULL_MASK,
+    LN2,
+    NEG_INF,
+    ONE,
+    ZERO,
+    first_key,
+    index_mask,
+    last_key,
+    option_args,
+    shared_size,
+    shfl_xor_sync,
+    signature,
+    tile_elements,
+    tile_fetch,
+)
+
+cuda = load()
+
+BM, BN, NT = 64, 32, 128  # query rows, keys per tile, threads (4 warps of 16 rows)
+MAX_HEAD_DIM = 64
+
+
+def pad16(n):
+    return max(16, -(-n // 16) * 16)
+
+
+def usable(q, k, v, device_cc):
+    """Whether this kernel takes the call: float32 on sm_80+, head dims up to ``MAX_HEAD_DIM``
+    and multiples of 4, K and V rows unit-stride and 16-byte aligned (``copy_async16`` moves
+    16-byte pieces of them)."""
+    if device_cc < (8, 0) or q.dtype != np.float32 or k.dtype != q.dtype:
+        return False
+    d, dv = q.shape[3], v.shape[3]
+    if max(d, dv) > MAX_HEAD_DIM or d % 4 or dv % 4:
+        return False
+    for x in (k, v):
+        if x.strides[3] != 4 or x.ptr % 16 or any(s % 16 for s in x.strides[:3]):
+            return False
+    return True
+
+
+TEMPLATE = """
+def forward_mma(q, k, v, scale2, left, right, kv_lens, softcap2, slopes2, out, lse):
+    n_hq, n_q, d = q.shape[1], q.shape[2], q.shape[3]
+    n_hkv, dv = k.shape[1], v.shape[3]
+    qs_ = cuda.shared.array(Q_SIZE, float32, alignment=16)  # Q block [row][dim], row LDQ
+    ks_ = cuda.shared.array(K_SIZE, float32, alignment=16)  # K tile [key][dim], row LDK
+    vs_ = cuda.shared.array(V_SIZE, float32, alignment=16)  # V tile [key][dim], row LDV
+    tid = int64(cuda.threadIdx.x)
+    lane = tid % 32
+    g = lane // 4
+    t = lane % 4
+    bh = int64(cuda.blockIdx.x)
+    b = bh // n_hq
+    h = bh % n_hq
+    hk = h // (n_hq // n_hkv)
+    qb = int64(cuda.gridDim.y) - 1 - int64(cuda.blockIdx.y)  # dearest causal blocks first
+    q0 = qb * BM
+    rows = min(BM, n_q - q0)
+    kv_len = kv_lens[b]
+    off = kv_len - n_q
+    cap_inv = ONE / softcap2 if softcap2 != ZERO else ZERO
+    slope2 = slopes2[b, h]
+    kh = k[b, hk]
+    vh = v[b, hk]
+    r_lo = q0 + (tid // 32) * 16 + g  # this thread's two rows
+    r_hi = r_lo + 8
+    for e in range(tid, BM * DK, NT):  # Q, scaled to base 2; padding rows and dims 0
+        r = e // DK
+        c = e % DK
+        x = ZERO
+        if r < rows and c < d:
+            x = float32(q[b, h, q0 + r, c]) * scale2
+        qs_[(r * LDQ + c) & ANY] = x
+
+    @band
+    kb_lo = lo // BN
+    kb_hi = hi // BN + 1 if hi >= lo else kb_lo
+    @init
+    q_frag = ((tid // 32) * 16 * LDQ + g * LDQ + 2 * t) & ALIGN2  # A operands of S = Q K^T
+    k_frag = (g * LDK + 2 * t) & ALIGN2  # B operands
+    v_frag = 2 * t * LDV + g             # and of P V
+    if kb_lo < kb_hi:
+        @copy_first_k
+    copy_commit()
+    for kb in range(kb_lo, kb_hi):
+        k0 = kb * BN
+        @copy_v
+        copy_commit()
+        copy_wait()  # this tile's K is in (its V may still be on its way)
+        cuda.syncthreads()
+        @zero_s
+        @s_mma
+        cuda.syncthreads()  # K reads done: the next tile's K may land
+        if kb + 1 < kb_hi:
+            @copy_next_k
+        copy_commit()
+        edge = k0 < first_hi or k0 + BN - 1 > last_lo  # the tile crosses the band's edge
+        @scores
+        @softmax
+        copy_wait()  # this tile's V is in
+        cuda.syncthreads()
+        @pv
+        cuda.syncthreads()  # V reads done: the next tile's V may land
+    copy_wait_all()
+    @store
+"""
+
+
+def _copy_tile(buf, src, width, pad, ld, first):
+    """Lines: this thread's 16-byte pieces of the ``BN x pad`` tile of rows ``first ..`` of
+    ``src`` into ``buf`` (row stride ``ld`` floats), by ``copy_async16``: rows outside the
+    block's keys ``[lo, hi]`` and pieces past ``width`` (a multiple of 4) zero-filled."""
+    per_row = pad // 4
+    lines = []
+    for u in range(-(-BN * per_row // NT)):
+        e = f"(tid + {u * NT})"
+        j, c = f"({e} // {per_row})", f"4 * ({e} % {per_row})"
+        ok = f"(lo <= {first} + {j}) & ({first} + {j} <= hi) & ({c} < {width})"
+        guard = [] if BN * per_row % NT == 0 else [f"if {e} < {BN * per_row}:"]
+        body = (f"copy_async16({buf}, ({j} * {ld} + {c}) & ALIGN4, {src}, "
+                f"min(max({first} + {j}, lo), hi) & ANY, min({c}, {width} - 4) & ANY, "
+                f"16 if {ok} else 0)")
+        lines += guard + [("    " if guard else "") + body]
+    return lines
+
+
+def _split(value, big, small):
+    """Lines: ``value`` (float32) as the TF32 parts ``big + small`` (3xTF32, ``mma.py``)."""
+    return [f"{big} = tf32({value})", f"{small} = tf32({value} - {big})"]
+
+
+@functools.cache
+def make_forward(d_pad, dv_pad, mods):
+    """The tensor-core forward kernel for float32 head dims up to ``d_pad``/``dv_pad``
+    (multiples of 16, at most ``MAX_HEAD_DIM``) and ``mods`` (softcap or ALiBi on)."""
+    DK, DV = d_pad, dv_pad
+    assert DK % 16 == 0 and DV % 16 == 0 and max(DK, DV) <= MAX_HEAD_DIM, (DK, DV)
+    NKS, NJ, NVD = DK // 8, BN // 8, DV // 8  # k-steps of S, n-tiles of S, n-tiles of out
+    # Row strides (floats), for conflict-free fragment loads: a half warp's 8-byte K loads
+    # (rows g, dims 2t) need LDK = 8 (mod 32) words; a warp's V loads (rows 2t, dims g),
+    # LDV = 4 (mod 16)
+    LDQ, LDK, LDV = DK + 8, DK + 8, DV + 4
+    Q_SIZE, K_SIZE, V_SIZE = BM * LDQ, BN * LDK, BN * LDV
+    shared_size(Q_SIZE, K_SIZE, V_SIZE)
+    # S = Q K^T, per k-step ks (dims 8ks..8ks+7): A = Q[g, 8ks + 2t], Q[g + 8, 8ks + 2t],
+    # Q[g, 8ks + 2t + 1], Q[g + 8, 8ks + 2t + 1] (the MMA's k = t is dim 2t, k = t + 4 is dim
+    # 2t + 1), two 8-byte loads; per n-tile j (keys 8j..8j+7) B = K[8j + g, 8ks + 2t] and
+    # K[8j + g, 8ks + 2t + 1], one. Each split into TF32 parts in registers.
+    s_mma = []
+    for ks in range(NKS):
+        at = f"q_frag + {8 * ks}"
+        s_mma += [f"x0 = qs_[{at}]", f"x2 = qs_[{at} + 1]",
+                  f"x1 = qs_[{at} + {8 * LDQ}]", f"x3 = qs_[{at} + {8 * LDQ + 1}]"]
+        s_mma += join(*(_split(f"x{i}", f"qb_{i}", f"ql_{i}") for i in range(4)))
+        for j in range(NJ):
+            at = f"k_frag + {8 * j * LDK + 8 * ks}"
+            s_mma += [f"y0 = ks_[{at}]", f"y1 = ks_[{at} + 1]"]
+            s_mma += _split("y0", "kb0", "kl0") + _split("y1", "kb1", "kl1")
+            acc = f"s{j}_0, s{j}_1, s{j}_2, s{j}_3"
+            for a, bb in (("ql", "b"), ("qb", "l"), ("qb", "b")):
+                s_mma += [f"{acc} = mma_tf32({a}_0, {a}_1, {a}_2, {a}_3, k{bb}0, k{bb}1, {acc})"]
+    # scores: the key of s{j}_{c} is k0 + 8j + 2t + (c & 1), its row r_lo (c < 2) or r_hi
+    elements = [(f"s{j}_{c}", "r_lo" if c < 2 else "r_hi", f"k0 + {8 * j + (c & 1)} + 2 * t",
+                 "lo" if c < 2 else "hi") for j in range(NJ) for c in range(4)]
+    scores = []
+    if mods:
+        scores += ["if softcap2 != ZERO:"]
+        scores += [f"    {s} = softcap2 * math.tanh({s} * cap_inv)" for s, _, _, _ in elements]
+        scores += ["if slope2 != ZERO:"]
+        scores += [f"    {s} -= slope2 * float32(abs({r} + off - ({key})))"
+                   for s, r, key, _ in elements]
+    scores += ["if edge:"]
+    scores += [f"    first_{w} = {first_key(f'r_{w}')}" for w in ("lo", "hi")]
+    scores += [f"    last_{w} = {last_key(f'r_{w}')}" for w in ("lo", "hi")]
+    scores += [f"    {s} = cuda.selp(({key} < first_{w}) | ({key} > last_{w}), NEG_INF, {s})"
+               for s, _, key, w in elements]
+    softmax = []
+    for w, cs in (("lo", (0, 1)), ("hi", (2, 3))):
+        vals = [f"s{j}_{c}" for j in range(NJ) for c in cs]
+        softmax += [f"mx = {vals[0]}"] + [f"mx = max(mx, {x})" for x in vals[1:]]
+        softmax += [f"mx = max(mx, shfl_xor_sync(FULL_MASK, mx, {x}))" for x in (1, 2)]
+        softmax += [f"m_new = max(m_{w}, mx)",
+                    "m_use = cuda.selp(m_new != NEG_INF, m_new, ZERO)  # all masked so far: P = 0",
+                    f"alpha = math.exp2(m_{w} - m_use)  # max rose: rescale earlier terms",
+                    "row_sum = ZERO"]
+        softmax += join(*([f"{x} = math.exp2({x} - m_use)", f"row_sum += {x}"] for x in vals))
+        softmax += [f"row_sum += shfl_xor_sync(FULL_MASK, row_sum, {x})" for x in (1, 2)]
+        softmax += [f"l_{w} = alpha * l_{w} + row_sum", f"m_{w} = m_new"]
+        softmax += [f"o{nd}_{c} *= alpha" for nd in range(NVD) for c in cs]
+    # P V: per k-step kk (keys 8kk..8kk+7 = S's n-tile kk) A = (s0, s2, s1, s3) of that
+    # n-tile; per n-tile nd (dims 8nd..8nd+7) B = V[8kk + 2t, 8nd + g], V[8kk + 2t + 1, 8nd + g]
+    pv = []
+    for kk in range(NJ):
+        for i, c in enumerate((0, 2, 1, 3)):
+            pv += _split(f"s{kk}_{c}", f"pb_{i}", f"pl_{i}")
+        for nd in range(NVD):
+            at = f"v_frag + {8 * kk * LDV + 8 * nd}"
+            pv += [f"y0 = vs_[{at}]", f"y1 = vs_[{at} + LDV]"]
+            pv += _split("y0", "vb0", "vl0") + _split("y1", "vb1", "vl1")
+            acc = f"o{nd}_0, o{nd}_1, o{nd}_2, o{nd}_3"
+            for a, bb in (("pl", "b"), ("pb", "l"), ("pb", "b")):
+                pv += [f"{acc} = mma_tf32({a}_0, {a}_1, {a}_2, {a}_3, v{bb}0, v{bb}1, {acc})"]
+    band = [f"lo = {first_key('q0')}", f"hi = {last_key('q0 + rows - 1')}",
+            f"last_lo = {last_key('q0')}  # the smallest last key",
+            f"first_hi = {first_key('q0 + rows - 1')}  # the largest first key"]
+    store = []
+    for w, cs in (("lo", (0, 1)), ("hi", (2, 3))):
+        store += [f"if r_{w} < n_q:",
+                  f"    seen = l_{w} != ZERO  # a row that sees no key: output 0, lse -inf",
+                  f"    inv_l = ONE / l_{w} if seen else ZERO"]
+        for nd in range(NVD):
+            for c in cs:
+                col = f"{8 * nd + (c & 1)} + 2 * t"
+                store += [f"    if {col} < dv: out[b, h, r_{w}, {col}] = o{nd}_{c} * inv_l"]
+        store += [f"    if t == 0: lse[b, h, r_{w}] = (m_{w} + math.log2(l_{w})) * LN2 "
+                  "if seen else NEG_INF"]
+    source = expand(
+        TEMPLATE,
+        band=band,
+        init=["m_lo = NEG_INF", "m_hi = NEG_INF", "l_lo = ZERO", "l_hi = ZERO"]
+        + rep("o{nd}_{c} = ZERO", nd=NVD, c=4),
+        copy_first_k=_copy_tile("ks_", "kh", "d", DK, "LDK", "kb_lo * BN"),
+        copy_next_k=_copy_tile("ks_", "kh", "d", DK, "LDK", "k0 + BN"),
+        copy_v=_copy_tile("vs_", "vh", "dv", DV, "LDV", "k0"),
+        zero_s=rep("s{j}_{c} = ZERO", j=NJ, c=4), s_mma=s_mma, scores=scores,
+        softmax=softmax, pv=pv, store=store)
+    names = {"cuda": cuda, "math": math, "shfl_xor_sync": shfl_xor_sync, "float32": float32,
+             "int64": int64, "tf32": tf32, "mma_tf32": mma_tf32, "copy_async16": copy_async16,
+             "copy_commit": copy_commit, "copy_wait": copy_wait, "copy_wait_all": copy_wait_all,
+             "FULL_MASK": FULL_MASK, "LN2": LN2, "NEG_INF": NEG_INF, "ONE": ONE, "ZERO": ZERO,
+             "BM": BM, "BN": BN, "NT": NT, "DK": DK, "LDQ": LDQ, "Q_SIZE": Q_SIZE, "LDK": LDK, "LDV": LDV, "K_SIZE": K_SIZE, "V_SIZE": V_SIZE,
+             "MODS": mods, "ANY": index_mask(1), "ALIGN2": index_mask(2),
+             "ALIGN4": index_mask(4)}
+    return build(source, "forward_mma", names), NT, BM
+
+
+@functools.cache
+def kernel(d_pad, dv_pad, mods, dtype):
+    fn, threads, rows = make_forward(d_pad, dv_pad, mods)
+    return compiled(fn, signature(dtype, FORWARD_ARGS)), threads, rows
+
+
+def run_forward(q, k, v, scale, band, mods, out, lse, stream=None):
+    """As ``forward.run_forward``, on the tensor cores (``usable`` must hold)."""
+    n_b, n_hq, n_q, d = q.shape
+    if out.size == 0:
+        return
+    options, has_mods = option_args(scale, band, mods)
+    fn, threads, rows = kernel(pad16(d), pad16(v.shape[3]), has_mods, np.dtype(q.dtype).str)
+    fn((n_b * n_hq, -(-n_q // rows)), threads, stream, q, k, v, *options, out, lse)

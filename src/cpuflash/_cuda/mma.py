@@ -1,0 +1,125 @@
+"""Tensor-core products for numba.cuda: ``mma.sync`` (m16n8k8, TF32 in, float32 accumulate)
+and the rounding to TF32, as numba intrinsics written in inline PTX.
+
+numba.cuda has no tensor-core API, but an intrinsic can emit any PTX instruction through
+LLVM's inline assembly, which NVVM passes on to ptxas. Only on a real GPU: the simulator runs
+kernels as Python and has no warp-wide matrix unit (the kernels that use these are never
+picked there; CI compiles them to PTX instead).
+
+**3xTF32.** A TF32 product rounds each input to 10 mantissa bits (about 3 decimal digits).
+Split each float32 ``x`` into ``big = tf32(x)`` and ``small = tf32(x - big)`` (the next 11
+bits; ``x - big`` is exact); then ``a * b ~= a_big*b_big + a_big*b_small + a_small*b_big``,
+with only the ``a_small*b_small`` term (2^-22 of the product) left out, and float32
+accumulation. Three MMAs per product give float32-class accuracy at tensor-core speed: what
+CUTLASS calls ``OpMultiplyAddFastF32``, and what torch's "efficient" SDPA kernel uses for
+float32 on sm_80 and newer.
+
+Fragments of ``m16n8k8`` (``g = lane // 4``, ``t = lane % 4``), from the PTX ISA:
+A (16 x 8) ``a0 = A[g, t]``, ``a1 = A[g + 8, t]``, ``a2 = A[g, t + 4]``, ``a3 = A[g + 8, t + 4]``;
+B (8 x 8) ``b0 = B[t, g]``, ``b1 = B[t + 4, g]``; C/D (16 x 8) ``c0 = C[g, 2t]``, ``c1 = C[g, 2t + 1]``,
+``c2 = C[g + 8, 2t]``, ``c3 = C[g + 8, 2t + 1]``.
+"""
+from llvmlite import ir
+from numba.core import types
+
+from .runtime import load
+
+load()
+from numba.cuda.extending import intrinsic  # noqa: E402  (after load(): numba-cuda's numba)
+
+_F32 = ir.FloatType()
+_I32 = ir.IntType(32)
+
+
+@intrinsic
+def tf32(typingctx, x):
+    """``x`` rounded to TF32 (nearest, ties away from zero), as a float32 whose low 13 mantissa
+    bits are zero."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        cvt = ir.InlineAsm(ir.FunctionType(_I32, [_F32]), "cvt.rna.tf32.f32 $0, $1;", "=r,f")
+        return builder.bitcast(builder.call(cvt, [args[0]]), _F32)
+
+    return types.float32(types.float32), codegen
+
+
+@intrinsic
+def mma_tf32(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+    """``D = A @ B + C`` for one warp's 16 x 8 x 8 tile: ``(d0, d1, d2, d3)``, the fragments
+    above. A and B values must be TF32 already (``tf32``); all arguments float32."""
+    args = (a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+    if any(a != types.float32 for a in args):
+        return None
+    sig = types.UniTuple(types.float32, 4)(*args)
+
+    def codegen(context, builder, sig, args):
+        ab = [builder.bitcast(x, _I32) for x in args[:6]]
+        fnty = ir.FunctionType(ir.LiteralStructType([_F32] * 4), [_I32] * 6 + [_F32] * 4)
+        mma = ir.InlineAsm(
+            fnty,
+            "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+            "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
+            "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
+        res = builder.call(mma, ab + list(args[6:]))
+        return context.make_tuple(builder, sig.return_type,
+                                  [builder.extract_value(res, i) for i in range(4)])
+
+    return sig, codegen
+
+
+# ---------------------------------------------------------------------------------------------
+# Asynchronous copies global -> shared (cp.async, sm_80+): a tile is in flight with no
+# register holding it, so the next tile loads while this one is multiplied.
+
+_I64 = ir.IntType(64)
+
+
+@intrinsic
+def copy_async16(typingctx, dst, dst_index, src, row, col, nbytes):
+    """Start copying 16 bytes from ``src[row, col]`` (a 2-D array, 16-byte aligned there) to
+    ``dst[dst_index]`` (a 1-D shared array, 16-byte aligned there); of them, only the first
+    ``nbytes`` (0 or 16) are read, the rest are zero-filled. Completes at ``copy_wait``."""
+    if not (isinstance(dst, types.Array) and isinstance(src, types.Array) and src.ndim == 2):
+        return None
+    sig = types.void(dst, types.int64, src, types.int64, types.int64, types.int64)
+
+    def codegen(context, builder, sig, args):
+        from numba.cuda import cgutils
+        dty, _, sty, _, _, _ = sig.args
+        dst_arr = context.make_array(dty)(context, builder, args[0])
+        dst_ptr = cgutils.get_item_pointer(context, builder, dty, dst_arr, [args[1]],
+                                           wraparound=False)
+        src_arr = context.make_array(sty)(context, builder, args[2])
+        src_ptr = cgutils.get_item_pointer(context, builder, sty, src_arr, [args[3], args[4]],
+                                           wraparound=False)
+        copy = ir.InlineAsm(
+            ir.FunctionType(ir.VoidType(), [_I64, _I64, _I32]),
+            "{ .reg .u64 s, g; cvta.to.shared.u64 s, $0; cvta.to.global.u64 g, $1; "
+            "cp.async.cg.shared.global [s], [g], 16, $2; }",
+            "l,l,r,~{memory}", side_effect=True)
+        builder.call(copy, [builder.ptrtoint(dst_ptr, _I64), builder.ptrtoint(src_ptr, _I64),
+                            builder.trunc(args[5], _I32)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def _asm_statement(text):
+    @intrinsic
+    def statement(typingctx):
+        def codegen(context, builder, sig, args):
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), text, "~{memory}",
+                               side_effect=True)
+            builder.call(asm, [])
+            return context.get_dummy_value()
+
+        return types.void(), codegen
+
+    return statement
+
+
+copy_commit = _asm_statement("cp.async.commit_group;")  # close the group of copies started
+copy_wait = _asm_statement("cp.async.wait_group 1;")    # all groups but the newest are done
+copy_wait_all = _asm_statement("cp.async.wait_all;")
