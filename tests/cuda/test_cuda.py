@@ -264,3 +264,40 @@ def test_generated_sources_are_content_addressed_files(tmp_path, monkeypatch):
     monkeypatch.setenv("CPUFLASH_CUDA_CACHE_DIR", str(blocked / "sub"))
     unwritable = codegen.build(source, "kern", {"TM": 5})
     assert not unwritable.cacheable and unwritable(3) == 15
+
+
+@pytest.mark.skipif(SIMULATED, reason="the tensor-core kernel runs on a real GPU only")
+@pytest.mark.parametrize("shape", [(1, 2, 1, 77, 130, 64, 64), (2, 4, 2, 130, 257, 64, 64),
+                                   (1, 2, 2, 100, 90, 40, 40), (1, 1, 1, 3, 5, 8, 16)], ids=str)
+@pytest.mark.parametrize("opt", [{}, {"causal": True}, {"window": (20, 5)},
+                                 {"kv_lens": True, "causal": True},
+                                 {"causal": True, "softcap": 1.5, "alibi": True}], ids=str)
+def test_tensor_core_kernel(shape, opt, monkeypatch):
+    """The 3xTF32 kernel (``forward_mma``) takes float32 calls with head dims up to 64, and is
+    as close to the float64 reference as the SIMT kernel it replaces there."""
+    from cpuflash._cuda import arrays, forward
+    opts = _opts(opt, shape)
+    q, k, v = qkv(shape)
+    qd, kd, vd = on_gpu(q, k, v)
+    assert forward.tensor_cores(*(arrays.as_4d(arrays.view(x)) for x in (qd, kd, vd)))
+    ref, ref_lse = reference.attention(q, k, v, return_lse=True, **opts)
+    finite = np.isfinite(ref_lse)
+    for mma in ("1", "0"):
+        monkeypatch.setenv("CPUFLASH_CUDA_MMA", mma)
+        out, lse = cpuflash.attention(qd, kd, vd, return_lse=True, **opts)
+        out, lse = out.copy_to_host(), lse.copy_to_host()
+        np.testing.assert_allclose(out, ref, atol=tol(np.float32, ref), rtol=0)
+        np.testing.assert_array_equal(np.isfinite(lse), finite)
+        np.testing.assert_allclose(lse[finite], ref_lse[finite], atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.skipif(SIMULATED, reason="the tensor-core kernel runs on a real GPU only")
+def test_tensor_core_kernel_peaked_scores():
+    """q = k = v scaled up: scores near 2^9, where the TF32 split must keep float32 accuracy
+    (one TF32 product alone would be off by 2^-11 of a score, about 0.25)."""
+    (x,) = rands((1, 2, 256, 64))
+    x = x * 8
+    out, lse = cpuflash.attention(*on_gpu(x, x, x), return_lse=True)
+    ref, ref_lse = reference.attention(x, x, x, return_lse=True)
+    np.testing.assert_allclose(out.copy_to_host(), ref, atol=1e-4 * np.abs(ref).max(), rtol=0)
+    np.testing.assert_allclose(lse.copy_to_host(), ref_lse, atol=2e-3, rtol=1e-5)

@@ -86,3 +86,42 @@ def test_tile_elements_cover_the_tile_once(pad, threads, keys):
                 continue
             seen.append((eval(j, {"tid": tid}), eval(c, {"tid": tid})))  # noqa: S307
     assert sorted(seen) == [(j, c) for j in range(keys) for c in range(pad)]
+
+
+@pytest.mark.parametrize("mods", [True], ids=["softcap+alibi"])
+def test_ptx_tensor_cores(mods, tmp_path):
+    """The tensor-core forward kernel (inline PTX mma.sync and cp.async) through NVVM and
+    ptxas for sm_90, with nothing spilled."""
+    from cpuflash._cuda import forward_mma
+    fn = forward_mma.make_forward(64, 64, mods)[0]
+    ptx = cuda.compile_ptx(fn, tiles.signature(np.float32, tiles.FORWARD_ARGS), cc=(9, 0))[0]
+    _check(ptx)
+    assert ptx.count("mma.sync.aligned.m16n8k8") == 2 * 3 * (64 // 8) * (32 // 8)
+    assert "cp.async.cg.shared.global" in ptx
+    _check_spills(ptx, tmp_path)
+
+
+def test_tensor_core_kernel_takes_only_what_it_can():
+    """``forward_mma.usable``: float32 on sm_80+, head dims up to 64 in multiples of 4, K and
+    V rows unit-stride and 16-byte aligned (cp.async moves 16-byte pieces); else forward.py."""
+    from cpuflash._cuda.arrays import GpuArray
+    from cpuflash._cuda.forward_mma import usable
+
+    def arr(shape=(1, 2, 64, 64), dtype=np.float32, ptr=4096, strides=None):
+        item = np.dtype(dtype).itemsize
+        strides = strides or tuple(int(s) * item for s in np.cumprod((1,) + shape[:0:-1])[::-1])
+        return GpuArray(ptr, shape, strides, np.dtype(dtype), None, None)
+
+    q = arr()
+    assert usable(q, arr(), arr(), (9, 0)) and usable(q, arr(), arr(), (8, 0))
+    assert not usable(q, arr(), arr(), (7, 5))
+    assert not usable(arr(dtype=np.float16), arr(dtype=np.float16), arr(dtype=np.float16), (9, 0))
+    wide = arr((1, 2, 64, 128))
+    assert not usable(wide, wide, wide, (9, 0))
+    odd = arr((1, 2, 64, 42))
+    assert not usable(odd, odd, odd, (9, 0))
+    assert not usable(q, arr(ptr=4100), arr(), (9, 0))  # K not 16-byte aligned
+    transposed = arr(strides=(2 * 64 * 64 * 4, 64 * 64 * 4, 4, 64 * 4))  # dims 64 floats apart
+    assert not usable(q, arr(), transposed, (9, 0))
+    heads_inner = arr(strides=(64 * 2 * 64 * 4, 64 * 4, 2 * 64 * 4, 4))  # (B, N, H, D) view
+    assert usable(q, heads_inner, heads_inner, (9, 0))

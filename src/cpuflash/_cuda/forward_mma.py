@@ -1,33 +1,33 @@
 """Forward pass on the tensor cores: the same algorithm as ``forward.py``, with both products
 (``S = Q K^T`` and ``P V``) as warp-wide ``mma.sync`` in 3xTF32 (``mma.py``: float32-class
-accuracy, three TF32 MMAs per product).
+accuracy from three TF32 MMAs per product), as torch's own float32 kernel does.
 
 One block of 4 warps per (query block of 64 rows, batch * head); warp ``w`` owns rows
 ``16 w .. 16 w + 15`` of the block, and a thread holds, in the MMA's accumulator layout, two
 rows (``g`` and ``g + 8``, ``g = lane // 4``) of S and of the output:
 
-    Q fragments: loaded once, scaled by scale * log2(e), split into TF32 big + small parts
-    for each key tile the block can see (64 keys):
-        K tile -> shared memory, split (big, small side by side)
-        S   = Q K^T                           # 8 n-tiles x D/8 k-steps x 3 MMAs per warp
+    Q block -> shared memory, scaled by scale * log2(e)
+    K tile 0 -> shared memory (cp.async: no registers hold it on the way)
+    for each key tile the block can see (32 keys):
+        start V tile -> shared memory
+        S   = Q K^T                     # per warp 4 n-tiles x D/8 k-steps x 3 MMAs
+        start the next K tile -> shared memory
         softcap / ALiBi / band mask; online softmax per row (4 lanes share a row: 2 shuffles)
-        V tile -> shared memory (transposed: [dim][key]), split
-        acc = alpha * acc + P V               # P straight from S's registers (see below)
+        acc = alpha * acc + P V         # P straight from S's registers (see below)
     out = acc / l;  lse = ln(2) * (m + log2(l))
 
-The k index of an MMA is a summation index, so any order of it serves if A and B agree. The
-kernel maps the MMA's ``k = t`` to element ``2t`` and ``k = t + 4`` to ``2t + 1`` of each
-group of 8 (dims in ``Q K^T``, keys in ``P V``): then a thread's two neighbouring S values
+Operands are split into TF32 parts in registers, as each fragment is loaded from shared
+memory. The k index of an MMA is a summation index, so any order of it serves if A and B
+agree: the kernel maps the MMA's ``k = t`` to element ``2t`` and ``k = t + 4`` to ``2t + 1`` of
+each group of 8 (dims in ``Q K^T``, keys in ``P V``). Then a thread's two neighbouring S values
 (``c0, c1`` of the accumulator) are exactly its A operands ``a0, a2`` of ``P V``, so P needs
-no shuffle and no shared memory, and each B operand pair (``b0, b1``, with big and small parts)
-is four neighbouring floats in shared memory: one 16-byte load.
+no shuffle and no shared memory, and the B operands of ``Q K^T`` (and the A operands) are
+neighbouring floats: one 8-byte load. Shared rows are padded (``make_forward``) so that the
+loads of a warp hit every bank once.
 
-Shared rows are padded to ``2 * width + 16`` floats, so the 8 lanes of each quarter warp read
-8 different 16-byte bank groups; tiles are stored with one thread per column (K) or per key
-(V), so the stores are contiguous too.
-
-Only on a real GPU of compute capability 8.0 or newer (``usable``); the simulator and other
-devices run ``forward.py``.
+Keys no row of the block sees are zero-filled (``copy_async16``), as ``forward.py`` loads
+them as zeros. Used for float32 with head dims up to 64 on a GPU of compute capability 8.0 or
+newer (``usable``); everything else, and the simulator, runs ``forward.py``.
 """
 import functools
 import math
@@ -53,13 +53,13 @@ from .tiles import (
     shared_size,
     shfl_xor_sync,
     signature,
-    tile_elements,
-    tile_fetch,
 )
 
 cuda = load()
 
 BM, BN, NT = 64, 32, 128  # query rows, keys per tile, threads (4 warps of 16 rows)
+# Wider heads take forward.py: at D = 128 this design (O in 64 registers a thread, 69 KiB of
+# dynamic shared memory) measured 0.48-0.52x torch on the H200, below the SIMT kernel's 0.6x.
 MAX_HEAD_DIM = 64
 
 
@@ -86,9 +86,9 @@ TEMPLATE = """
 def forward_mma(q, k, v, scale2, left, right, kv_lens, softcap2, slopes2, out, lse):
     n_hq, n_q, d = q.shape[1], q.shape[2], q.shape[3]
     n_hkv, dv = k.shape[1], v.shape[3]
-    qs_ = cuda.shared.array(Q_SIZE, float32, alignment=16)  # Q block [row][dim], row LDQ
-    ks_ = cuda.shared.array(K_SIZE, float32, alignment=16)  # K tile [key][dim], row LDK
-    vs_ = cuda.shared.array(V_SIZE, float32, alignment=16)  # V tile [key][dim], row LDV
+    # Q block [row][dim] (row LDQ) at 0, K tile [key][dim] (row LDK) at K_AT, V tile (row LDV)
+    # at V_AT
+    sm = cuda.shared.array(SIZE, float32, alignment=16)
     tid = int64(cuda.threadIdx.x)
     lane = tid % 32
     g = lane // 4
@@ -114,15 +114,15 @@ def forward_mma(q, k, v, scale2, left, right, kv_lens, softcap2, slopes2, out, l
         x = ZERO
         if r < rows and c < d:
             x = float32(q[b, h, q0 + r, c]) * scale2
-        qs_[(r * LDQ + c) & ANY] = x
+        sm[(r * LDQ + c) & ANY] = x
 
     @band
     kb_lo = lo // BN
     kb_hi = hi // BN + 1 if hi >= lo else kb_lo
     @init
     q_frag = ((tid // 32) * 16 * LDQ + g * LDQ + 2 * t) & ALIGN2  # A operands of S = Q K^T
-    k_frag = (g * LDK + 2 * t) & ALIGN2  # B operands
-    v_frag = 2 * t * LDV + g             # and of P V
+    k_frag = (K_AT + g * LDK + 2 * t) & ALIGN2  # B operands
+    v_frag = V_AT + 2 * t * LDV + g             # and of P V
     if kb_lo < kb_hi:
         @copy_first_k
     copy_commit()
@@ -150,9 +150,10 @@ def forward_mma(q, k, v, scale2, left, right, kv_lens, softcap2, slopes2, out, l
 """
 
 
-def _copy_tile(buf, src, width, pad, ld, first):
+def _copy_tile(at, src, width, pad, ld, first):
     """Lines: this thread's 16-byte pieces of the ``BN x pad`` tile of rows ``first ..`` of
-    ``src`` into ``buf`` (row stride ``ld`` floats), by ``copy_async16``: rows outside the
+    ``src`` into shared ``sm`` from ``at`` (row stride ``ld`` floats), by ``copy_async16``: rows
+    outside the
     block's keys ``[lo, hi]`` and pieces past ``width`` (a multiple of 4) zero-filled."""
     per_row = pad // 4
     lines = []
@@ -161,7 +162,7 @@ def _copy_tile(buf, src, width, pad, ld, first):
         j, c = f"({e} // {per_row})", f"4 * ({e} % {per_row})"
         ok = f"(lo <= {first} + {j}) & ({first} + {j} <= hi) & ({c} < {width})"
         guard = [] if BN * per_row % NT == 0 else [f"if {e} < {BN * per_row}:"]
-        body = (f"copy_async16({buf}, ({j} * {ld} + {c}) & ALIGN4, {src}, "
+        body = (f"copy_async16(sm, ({at} + {j} * {ld} + {c}) & ALIGN4, {src}, "
                 f"min(max({first} + {j}, lo), hi) & ANY, min({c}, {width} - 4) & ANY, "
                 f"16 if {ok} else 0)")
         lines += guard + [("    " if guard else "") + body]
@@ -184,8 +185,8 @@ def make_forward(d_pad, dv_pad, mods):
     # (rows g, dims 2t) need LDK = 8 (mod 32) words; a warp's V loads (rows 2t, dims g),
     # LDV = 4 (mod 16)
     LDQ, LDK, LDV = DK + 8, DK + 8, DV + 4
-    Q_SIZE, K_SIZE, V_SIZE = BM * LDQ, BN * LDK, BN * LDV
-    shared_size(Q_SIZE, K_SIZE, V_SIZE)
+    K_AT, V_AT = BM * LDQ, BM * LDQ + BN * LDK  # multiples of 4: 16-byte aligned
+    SIZE = shared_size(V_AT + BN * LDV)
     # S = Q K^T, per k-step ks (dims 8ks..8ks+7): A = Q[g, 8ks + 2t], Q[g + 8, 8ks + 2t],
     # Q[g, 8ks + 2t + 1], Q[g + 8, 8ks + 2t + 1] (the MMA's k = t is dim 2t, k = t + 4 is dim
     # 2t + 1), two 8-byte loads; per n-tile j (keys 8j..8j+7) B = K[8j + g, 8ks + 2t] and
@@ -193,12 +194,12 @@ def make_forward(d_pad, dv_pad, mods):
     s_mma = []
     for ks in range(NKS):
         at = f"q_frag + {8 * ks}"
-        s_mma += [f"x0 = qs_[{at}]", f"x2 = qs_[{at} + 1]",
-                  f"x1 = qs_[{at} + {8 * LDQ}]", f"x3 = qs_[{at} + {8 * LDQ + 1}]"]
+        s_mma += [f"x0 = sm[{at}]", f"x2 = sm[{at} + 1]",
+                  f"x1 = sm[{at} + {8 * LDQ}]", f"x3 = sm[{at} + {8 * LDQ + 1}]"]
         s_mma += join(*(_split(f"x{i}", f"qb_{i}", f"ql_{i}") for i in range(4)))
         for j in range(NJ):
             at = f"k_frag + {8 * j * LDK + 8 * ks}"
-            s_mma += [f"y0 = ks_[{at}]", f"y1 = ks_[{at} + 1]"]
+            s_mma += [f"y0 = sm[{at}]", f"y1 = sm[{at} + 1]"]
             s_mma += _split("y0", "kb0", "kl0") + _split("y1", "kb1", "kl1")
             acc = f"s{j}_0, s{j}_1, s{j}_2, s{j}_3"
             for a, bb in (("ql", "b"), ("qb", "l"), ("qb", "b")):
@@ -239,7 +240,7 @@ def make_forward(d_pad, dv_pad, mods):
             pv += _split(f"s{kk}_{c}", f"pb_{i}", f"pl_{i}")
         for nd in range(NVD):
             at = f"v_frag + {8 * kk * LDV + 8 * nd}"
-            pv += [f"y0 = vs_[{at}]", f"y1 = vs_[{at} + LDV]"]
+            pv += [f"y0 = sm[{at}]", f"y1 = sm[{at} + LDV]"]
             pv += _split("y0", "vb0", "vl0") + _split("y1", "vb1", "vl1")
             acc = f"o{nd}_0, o{nd}_1, o{nd}_2, o{nd}_3"
             for a, bb in (("pl", "b"), ("pb", "l"), ("pb", "b")):
@@ -263,16 +264,17 @@ def make_forward(d_pad, dv_pad, mods):
         band=band,
         init=["m_lo = NEG_INF", "m_hi = NEG_INF", "l_lo = ZERO", "l_hi = ZERO"]
         + rep("o{nd}_{c} = ZERO", nd=NVD, c=4),
-        copy_first_k=_copy_tile("ks_", "kh", "d", DK, "LDK", "kb_lo * BN"),
-        copy_next_k=_copy_tile("ks_", "kh", "d", DK, "LDK", "k0 + BN"),
-        copy_v=_copy_tile("vs_", "vh", "dv", DV, "LDV", "k0"),
+        copy_first_k=_copy_tile("K_AT", "kh", "d", DK, "LDK", "kb_lo * BN"),
+        copy_next_k=_copy_tile("K_AT", "kh", "d", DK, "LDK", "k0 + BN"),
+        copy_v=_copy_tile("V_AT", "vh", "dv", DV, "LDV", "k0"),
         zero_s=rep("s{j}_{c} = ZERO", j=NJ, c=4), s_mma=s_mma, scores=scores,
         softmax=softmax, pv=pv, store=store)
     names = {"cuda": cuda, "math": math, "shfl_xor_sync": shfl_xor_sync, "float32": float32,
              "int64": int64, "tf32": tf32, "mma_tf32": mma_tf32, "copy_async16": copy_async16,
              "copy_commit": copy_commit, "copy_wait": copy_wait, "copy_wait_all": copy_wait_all,
              "FULL_MASK": FULL_MASK, "LN2": LN2, "NEG_INF": NEG_INF, "ONE": ONE, "ZERO": ZERO,
-             "BM": BM, "BN": BN, "NT": NT, "DK": DK, "LDQ": LDQ, "Q_SIZE": Q_SIZE, "LDK": LDK, "LDV": LDV, "K_SIZE": K_SIZE, "V_SIZE": V_SIZE,
+             "BM": BM, "BN": BN, "NT": NT, "DK": DK, "LDQ": LDQ, "LDK": LDK, "LDV": LDV,
+             "K_AT": K_AT, "V_AT": V_AT, "SIZE": SIZE,
              "MODS": mods, "ANY": index_mask(1), "ALIGN2": index_mask(2),
              "ALIGN4": index_mask(4)}
     return build(source, "forward_mma", names), NT, BM

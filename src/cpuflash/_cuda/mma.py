@@ -15,9 +15,11 @@ CUTLASS calls ``OpMultiplyAddFastF32``, and what torch's "efficient" SDPA kernel
 float32 on sm_80 and newer.
 
 Fragments of ``m16n8k8`` (``g = lane // 4``, ``t = lane % 4``), from the PTX ISA:
-A (16 x 8) ``a0 = A[g, t]``, ``a1 = A[g + 8, t]``, ``a2 = A[g, t + 4]``, ``a3 = A[g + 8, t + 4]``;
-B (8 x 8) ``b0 = B[t, g]``, ``b1 = B[t + 4, g]``; C/D (16 x 8) ``c0 = C[g, 2t]``, ``c1 = C[g, 2t + 1]``,
-``c2 = C[g + 8, 2t]``, ``c3 = C[g + 8, 2t + 1]``.
+
+* A (16 x 8): ``a0 = A[g, t]``, ``a1 = A[g + 8, t]``, ``a2 = A[g, t + 4]``, ``a3 = A[g + 8, t + 4]``
+* B (8 x 8): ``b0 = B[t, g]``, ``b1 = B[t + 4, g]``
+* C, D (16 x 8): ``c0 = C[g, 2t]``, ``c1 = C[g, 2t + 1]``, ``c2 = C[g + 8, 2t]``,
+  ``c3 = C[g + 8, 2t + 1]``
 """
 from llvmlite import ir
 from numba.core import types

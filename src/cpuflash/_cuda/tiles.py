@@ -166,9 +166,8 @@ def tile_elements(pad, threads, keys):
             for u in range(count)], keys * pad % threads != 0
 
 
-def tile_fetch(reg, src, width, pad, threads, keys, first, elements=None):
-    """Source lines: a thread's elements (``tile_elements``, or ``elements``: the same
-    ``([(j, c), ...], check)`` in another order) of rows ``first .. first + keys -
+def tile_fetch(reg, src, width, pad, threads, keys, first):
+    """Source lines: a thread's elements (``tile_elements``) of rows ``first .. first + keys -
     1`` of the 2-D view ``src`` (columns below ``width``) into registers ``{reg}0, {reg}1,
     ...`` as float32; keys outside ``[lo, hi]`` and columns past ``width`` as 0, so a NaN
     there reaches nothing. Needs ``lo <= hi``.
@@ -181,7 +180,7 @@ def tile_fetch(reg, src, width, pad, threads, keys, first, elements=None):
     ``width``) and ``selp`` zeroing the ones outside. Numba's own passes (liveness, SSA) take
     time in blocks times variables times assignments, and each ``and`` or ``if`` of Python is
     a block: with one per element, the forward kernel took 45 s to compile."""
-    elements, check = elements or tile_elements(pad, threads, keys)
+    elements, check = tile_elements(pad, threads, keys)
     edge = []
     for u, (j, c) in enumerate(elements):
         key = f"{first} + {j}"
@@ -212,6 +211,7 @@ def tile_store(reg, pad, threads, keys, index):
 
 
 def shared_size(*sizes):
+    """The floats of shared memory a kernel holds, checked against the static limit."""
     total = sum(sizes)
     assert total <= SHARED_FLOATS, sizes
     return total
