@@ -37,21 +37,23 @@ from .launch import compiled
 from .runtime import device_capability, load, simulated
 from .tiles import (
     FORWARD_ARGS,
+    FORWARD_BLOCK,
     FULL_MASK,
     LN2,
     NEG_INF,
     ONE,
     ZERO,
     aligned,
+    band_lines,
     column,
     column_offset,
-    first_key,
     forward_shape,
     group_width,
     index_mask,
-    last_key,
     option_args,
     pad8,
+    q_block_lines,
+    score_lines,
     shared_size,
     shfl_sync,
     shfl_xor_sync,
@@ -75,32 +77,10 @@ def forward(q, k, v, scale2, left, right, kv_lens, softcap2, slopes2, out, lse):
     tx = tid % 8
     ty = tid // 8
     base = (tid % 32) - tx  # the lane of this row group's tx = 0
-    bh = int64(cuda.blockIdx.x)
-    b = bh // n_hq
-    h = bh % n_hq
-    hk = h // (n_hq // n_hkv)  # GQA: query head h reads kv head h // group
-    qb = int64(cuda.gridDim.y) - 1 - int64(cuda.blockIdx.y)  # dearest causal blocks start first
-    q0 = qb * BM
-    rows = min(BM, n_q - q0)
-    kv_len = kv_lens[b]
-    off = kv_len - n_q
-    cap_inv = ONE / softcap2 if softcap2 != ZERO else ZERO
-    slope2 = slopes2[b, h]
-    kh = k[b, hk]
-    vh = v[b, hk]
+    @block
 
-    for e in range(tid, BM * DK, NT):
-        r = e // DK
-        c = e % DK
-        x = ZERO
-        if r < rows and c < d:
-            x = float32(q[b, h, q0 + r, c]) * scale2
-        qs[(c * BM + r) & ANY] = x
-
-    # keys that some row of the block sees: [lo, hi] (the band is monotonic in the row)
+    @load_q
     @band
-    kb_lo = lo // BN
-    kb_hi = hi // BN + 1 if hi >= lo else kb_lo
     @init
 
     # Each tile's K is fetched into registers during the step before (its V during S = Q K^T):
@@ -170,25 +150,9 @@ def make_forward(d_pad, dv_pad, mods):
         softmax += [f"row_sum += shfl_xor_sync(FULL_MASK, row_sum, {x})" for x in (1, 2, 4)]
         softmax += [f"l{i} = alpha * l{i} + row_sum", f"{m} = m_new"]
         softmax += rep(f"a{i}_{{cc}} *= alpha", cc=CV)
-    # softcap and ALiBi on every tile, each test once for the whole tile; the band's edges
-    # only on tiles that cross one (as few Python branches as possible: see tiles.tile_fetch)
     elements = [(f"s{i}_{c}", f"r{i}", f"k0 + {column(c, WK)}", i)
                 for i in range(TM) for c in range(TN)]
-    scores = list(rows)
-    if mods:
-        scores += ["if softcap2 != ZERO:"]
-        scores += [f"    {s} = softcap2 * math.tanh({s} * cap_inv)" for s, _, _, _ in elements]
-        scores += ["if slope2 != ZERO:"]
-        scores += [f"    {s} -= slope2 * float32(abs({r} + off - ({key})))"
-                   for s, r, key, _ in elements]
-    scores += ["if edge:"]
-    scores += [f"    first{i} = {first_key(f'r{i}')}" for i in range(TM)]
-    scores += [f"    last{i} = {last_key(f'r{i}')}" for i in range(TM)]
-    scores += [f"    {s} = cuda.selp(({key} < first{i}) | ({key} > last{i}), NEG_INF, {s})"
-               for s, _, key, i in elements]
-    band = [f"lo = {first_key('q0')}", f"hi = {last_key('q0 + rows - 1')}",
-            f"last_lo = {last_key('q0')}  # the smallest last key",
-            f"first_hi = {first_key('q0 + rows - 1')}  # the largest first key"]
+    scores = rows + score_lines(elements, [(i, f"r{i}") for i in range(TM)], mods)
     store = list(rows)
     for i in range(TM):
         store += [f"if r{i} < n_q:",
@@ -226,7 +190,8 @@ def make_forward(d_pad, dv_pad, mods):
         + rep("a{i}_{cc} = ZERO", i=TM, cc=CV),
         zero_s=rep("s{i}_{c} = ZERO", i=TM, c=TN),
         zero_kx=rep("kx{u} = ZERO", u=len(tile_elements(DK, NT, BN)[0])),
-        s_step=s_step, scores=scores, softmax=softmax, band=band, pv=pv, store=store,
+        s_step=s_step, scores=scores, softmax=softmax, band=band_lines(), pv=pv, store=store,
+        block=FORWARD_BLOCK, load_q=q_block_lines("qs[({c} * BM + {r}) & ANY] = {x}"),
         fetch_k=tile_fetch("kx", "kh", "d", DK, NT, BN, "k0 + BN"),
         store_k=tile_store("kx", DK, NT, BN, kt_index),
         fetch_v=tile_fetch("vx", "vh", "dv", DV, NT, BN, "k0"),

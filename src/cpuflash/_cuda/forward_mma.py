@@ -41,15 +41,17 @@ from .mma import copy_async16, copy_commit, copy_wait, copy_wait_all, mma_tf32, 
 from .runtime import load
 from .tiles import (
     FORWARD_ARGS,
+    FORWARD_BLOCK,
     FULL_MASK,
     LN2,
     NEG_INF,
     ONE,
     ZERO,
-    first_key,
+    band_lines,
     index_mask,
-    last_key,
     option_args,
+    q_block_lines,
+    score_lines,
     shared_size,
     shfl_xor_sync,
     signature,
@@ -93,32 +95,11 @@ def forward_mma(q, k, v, scale2, left, right, kv_lens, softcap2, slopes2, out, l
     lane = tid % 32
     g = lane // 4
     t = lane % 4
-    bh = int64(cuda.blockIdx.x)
-    b = bh // n_hq
-    h = bh % n_hq
-    hk = h // (n_hq // n_hkv)
-    qb = int64(cuda.gridDim.y) - 1 - int64(cuda.blockIdx.y)  # dearest causal blocks first
-    q0 = qb * BM
-    rows = min(BM, n_q - q0)
-    kv_len = kv_lens[b]
-    off = kv_len - n_q
-    cap_inv = ONE / softcap2 if softcap2 != ZERO else ZERO
-    slope2 = slopes2[b, h]
-    kh = k[b, hk]
-    vh = v[b, hk]
+    @block
     r_lo = q0 + (tid // 32) * 16 + g  # this thread's two rows
     r_hi = r_lo + 8
-    for e in range(tid, BM * DK, NT):  # Q, scaled to base 2; padding rows and dims 0
-        r = e // DK
-        c = e % DK
-        x = ZERO
-        if r < rows and c < d:
-            x = float32(q[b, h, q0 + r, c]) * scale2
-        sm[(r * LDQ + c) & ANY] = x
-
+    @load_q
     @band
-    kb_lo = lo // BN
-    kb_hi = hi // BN + 1 if hi >= lo else kb_lo
     @init
     q_frag = ((tid // 32) * 16 * LDQ + g * LDQ + 2 * t) & ALIGN2  # A operands of S = Q K^T
     k_frag = (K_AT + g * LDK + 2 * t) & ALIGN2  # B operands
@@ -206,19 +187,8 @@ def make_forward(d_pad, dv_pad, mods):
                 s_mma += [f"{acc} = mma_tf32({a}_0, {a}_1, {a}_2, {a}_3, k{bb}0, k{bb}1, {acc})"]
     # scores: the key of s{j}_{c} is k0 + 8j + 2t + (c & 1), its row r_lo (c < 2) or r_hi
     elements = [(f"s{j}_{c}", "r_lo" if c < 2 else "r_hi", f"k0 + {8 * j + (c & 1)} + 2 * t",
-                 "lo" if c < 2 else "hi") for j in range(NJ) for c in range(4)]
-    scores = []
-    if mods:
-        scores += ["if softcap2 != ZERO:"]
-        scores += [f"    {s} = softcap2 * math.tanh({s} * cap_inv)" for s, _, _, _ in elements]
-        scores += ["if slope2 != ZERO:"]
-        scores += [f"    {s} -= slope2 * float32(abs({r} + off - ({key})))"
-                   for s, r, key, _ in elements]
-    scores += ["if edge:"]
-    scores += [f"    first_{w} = {first_key(f'r_{w}')}" for w in ("lo", "hi")]
-    scores += [f"    last_{w} = {last_key(f'r_{w}')}" for w in ("lo", "hi")]
-    scores += [f"    {s} = cuda.selp(({key} < first_{w}) | ({key} > last_{w}), NEG_INF, {s})"
-               for s, _, key, w in elements]
+                 0 if c < 2 else 1) for j in range(NJ) for c in range(4)]
+    scores = score_lines(elements, [(0, "r_lo"), (1, "r_hi")], mods)  # first0, last0, ...
     softmax = []
     for w, cs in (("lo", (0, 1)), ("hi", (2, 3))):
         vals = [f"s{j}_{c}" for j in range(NJ) for c in cs]
@@ -252,9 +222,6 @@ def make_forward(d_pad, dv_pad, mods):
                        f"v{bb}0, v{bb}1, t0, t1, t2, t3)"]
         pv += [f"o{nd}_{c} = o{nd}_{c} * alpha_{'lo' if c < 2 else 'hi'} + t{c}"
                for c in range(4)]
-    band = [f"lo = {first_key('q0')}", f"hi = {last_key('q0 + rows - 1')}",
-            f"last_lo = {last_key('q0')}  # the smallest last key",
-            f"first_hi = {first_key('q0 + rows - 1')}  # the largest first key"]
     store = []
     for w, cs in (("lo", (0, 1)), ("hi", (2, 3))):
         store += [f"if r_{w} < n_q:",
@@ -268,7 +235,8 @@ def make_forward(d_pad, dv_pad, mods):
                   "if seen else NEG_INF"]
     source = expand(
         TEMPLATE,
-        band=band,
+        block=FORWARD_BLOCK, load_q=q_block_lines("sm[({r} * LDQ + {c}) & ANY] = {x}"),
+        band=band_lines(),
         init=["m_lo = NEG_INF", "m_hi = NEG_INF", "l_lo = ZERO", "l_hi = ZERO"]
         + rep("o{nd}_{c} = ZERO", nd=NVD, c=4),
         copy_first_k=_copy_tile("K_AT", "kh", "d", DK, "LDK", "kb_lo * BN"),

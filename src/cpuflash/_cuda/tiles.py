@@ -117,6 +117,66 @@ def last_key(i):
     return f"min(kv_len - 1, {i} + off + right)"
 
 
+# The forward kernels' block coordinates: one block per (query block of BM rows, batch * head),
+# the blocks of the latest rows launched first (causal: they have the most tiles).
+FORWARD_BLOCK = """
+bh = int64(cuda.blockIdx.x)
+b = bh // n_hq
+h = bh % n_hq
+hk = h // (n_hq // n_hkv)  # GQA: query head h reads kv head h // group
+qb = int64(cuda.gridDim.y) - 1 - int64(cuda.blockIdx.y)  # dearest causal blocks start first
+q0 = qb * BM
+rows = min(BM, n_q - q0)
+kv_len = kv_lens[b]
+off = kv_len - n_q
+cap_inv = ONE / softcap2 if softcap2 != ZERO else ZERO
+slope2 = slopes2[b, h]
+kh = k[b, hk]
+vh = v[b, hk]
+""".strip().splitlines()
+
+
+def q_block_lines(store):
+    """Source lines: the block's Q rows scaled to base 2 (``scale2``) into shared memory,
+    padding rows and dims as 0; ``store``: the statement, a format string in ``{r}``, ``{c}``
+    (row, dim) and ``{x}`` (the value)."""
+    return ["for e in range(tid, BM * DK, NT):", "    r = e // DK", "    c = e % DK",
+            "    x = ZERO", "    if r < rows and c < d:",
+            "        x = float32(q[b, h, q0 + r, c]) * scale2",
+            "    " + store.format(r="r", c="c", x="x")]
+
+
+def band_lines():
+    """Source lines: the keys that some row of the block sees, ``[lo, hi]`` (the band is
+    monotonic in the row), the smallest last and largest first key of its rows, and the key
+    tiles of ``BN`` keys that hold ``[lo, hi]``, ``kb_lo .. kb_hi - 1``."""
+    return [f"lo = {first_key('q0')}", f"hi = {last_key('q0 + rows - 1')}",
+            f"last_lo = {last_key('q0')}  # the smallest last key",
+            f"first_hi = {first_key('q0 + rows - 1')}  # the largest first key",
+            "kb_lo = lo // BN", "kb_hi = hi // BN + 1 if hi >= lo else kb_lo"]
+
+
+def score_lines(elements, rows, mods):
+    """Source lines: softcap and ALiBi on every score of a tile (each test once for the whole
+    tile), then the band's edges, only on tiles that cross one (``edge``), as ``-inf``.
+    ``elements``: ``(score variable, row, key, row tag)``; ``rows``: ``(row tag, row)``, whose
+    first and last keys go to ``first{tag}`` and ``last{tag}``. As few Python branches as
+    possible: see ``tile_fetch``."""
+    lines = []
+    if mods:
+        lines += ["if softcap2 != ZERO:"]
+        lines += [f"    {s} = softcap2 * math.tanh({s} * cap_inv)" for s, _, _, _ in elements]
+        lines += ["if slope2 != ZERO:"]
+        lines += [f"    {s} -= slope2 * float32(abs({r} + off - ({key})))"
+                  for s, r, key, _ in elements]
+    lines += ["if edge:"]
+    lines += [f"    first{tag} = {first_key(row)}" for tag, row in rows]
+    lines += [f"    last{tag} = {last_key(row)}" for tag, row in rows]
+    lines += [f"    {s} = cuda.selp(({key} < first{tag}) | ({key} > last{tag}), NEG_INF, {s})"
+              for s, _, key, tag in elements]
+    return lines
+
+
 def modify_lines(var, row, key, mods, tanh_var=None):
     """Source lines: softcap then ALiBi on the base-2 score ``var`` of (row, key); with
     ``tanh_var``, also keep ``tanh`` there for the backward pass."""
