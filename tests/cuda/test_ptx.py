@@ -116,6 +116,7 @@ def test_tensor_core_kernel_takes_only_what_it_can():
     assert usable(q, arr(), arr(), (9, 0)) and usable(q, arr(), arr(), (8, 0))
     assert not usable(q, arr(), arr(), (7, 5))
     assert not usable(arr(dtype=np.float16), arr(dtype=np.float16), arr(dtype=np.float16), (9, 0))
+    assert not usable(q, arr(), arr(dtype=np.float16), (9, 0))
     wide = arr((1, 2, 64, 128))
     assert not usable(wide, wide, wide, (9, 0))
     odd = arr((1, 2, 64, 42))

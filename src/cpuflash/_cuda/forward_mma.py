@@ -73,7 +73,7 @@ def usable(q, k, v, device_cc):
     """Whether this kernel takes the call: float32 on sm_80+, head dims up to ``MAX_HEAD_DIM``
     and multiples of 4, K and V rows unit-stride and 16-byte aligned (``copy_async16`` moves
     16-byte pieces of them)."""
-    if device_cc < (8, 0) or q.dtype != np.float32 or k.dtype != q.dtype:
+    if device_cc < (8, 0) or not q.dtype == k.dtype == v.dtype == np.float32:
         return False
     d, dv = q.shape[3], v.shape[3]
     if max(d, dv) > MAX_HEAD_DIM or d % 4 or dv % 4:
@@ -133,9 +133,9 @@ def forward_mma(q, k, v, scale2, left, right, kv_lens, softcap2, slopes2, out, l
 
 def _copy_tile(at, src, width, pad, ld, first):
     """Lines: this thread's 16-byte pieces of the ``BN x pad`` tile of rows ``first ..`` of
-    ``src`` into shared ``sm`` from ``at`` (row stride ``ld`` floats), by ``copy_async16``: rows
-    outside the
-    block's keys ``[lo, hi]`` and pieces past ``width`` (a multiple of 4) zero-filled."""
+    ``src`` into shared ``sm`` from ``at`` (row stride ``ld`` floats), by ``copy_async16``; rows
+    outside the block's keys ``[lo, hi]`` and pieces past ``width`` (a multiple of 4) are
+    zero-filled."""
     per_row = pad // 4
     lines = []
     for u in range(-(-BN * per_row // NT)):
@@ -262,10 +262,9 @@ def kernel(d_pad, dv_pad, mods, dtype):
 
 
 def run_forward(q, k, v, scale, band, mods, out, lse, stream=None):
-    """As ``forward.run_forward``, on the tensor cores (``usable`` must hold)."""
+    """As ``forward.run_forward`` (which calls it for a non-empty ``out``), on the tensor
+    cores; ``usable`` must hold."""
     n_b, n_hq, n_q, d = q.shape
-    if out.size == 0:
-        return
     options, has_mods = option_args(scale, band, mods)
     fn, threads, rows = kernel(pad16(d), pad16(v.shape[3]), has_mods, np.dtype(q.dtype).str)
     fn((n_b * n_hq, -(-n_q // rows)), threads, stream, q, k, v, *options, out, lse)
