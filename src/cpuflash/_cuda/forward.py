@@ -206,12 +206,17 @@ def make_forward(d_pad, dv_pad, mods):
 
 
 def tensor_cores(q, k, v):
-    """Whether the tensor-core kernel (``forward_mma``) takes a call (``forward_mma.usable``):
-    never in the simulator, nor with ``CPUFLASH_CUDA_MMA=0``."""
+    """The tensor-core kernel's module that takes a call, or None: ``forward_mma`` (3xTF32)
+    for float32, ``forward_f16`` for float16, as their ``usable`` decide; never in the
+    simulator, nor with ``CPUFLASH_CUDA_MMA=0``."""
     if simulated() or os.environ.get("CPUFLASH_CUDA_MMA", "") == "0":
-        return False
-    from .forward_mma import usable
-    return usable(q, k, v, device_capability())
+        return None
+    from . import forward_f16, forward_mma
+    cc = device_capability()
+    for module in (forward_mma, forward_f16):
+        if module.usable(q, k, v, cc):
+            return module
+    return None
 
 
 @functools.cache
@@ -227,9 +232,9 @@ def run_forward(q, k, v, scale, band, mods, out, lse, stream=None):
     n_b, n_hq, n_q, d = q.shape
     if out.size == 0:
         return
-    if tensor_cores(q, k, v):
-        from . import forward_mma
-        return forward_mma.run_forward(q, k, v, scale, band, mods, out, lse, stream)
+    module = tensor_cores(q, k, v)
+    if module is not None:
+        return module.run_forward(q, k, v, scale, band, mods, out, lse, stream)
     options, has_mods = option_args(scale, band, mods)
     fn, threads, rows = kernel(pad8(d), pad8(v.shape[3]), has_mods, np.dtype(q.dtype).str)
     fn((n_b * n_hq, -(-n_q // rows)), threads, stream, q, k, v, *options, out, lse)

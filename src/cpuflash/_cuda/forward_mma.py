@@ -131,20 +131,22 @@ def forward_mma(q, k, v, scale2, left, right, kv_lens, softcap2, slopes2, out, l
 """
 
 
-def _copy_tile(at, src, width, pad, ld, first):
-    """Lines: this thread's 16-byte pieces of the ``BN x pad`` tile of rows ``first ..`` of
-    ``src`` into shared ``sm`` from ``at`` (row stride ``ld`` floats), by ``copy_async16``; rows
-    outside the block's keys ``[lo, hi]`` and pieces past ``width`` (a multiple of 4) are
-    zero-filled."""
-    per_row = pad // 4
+def copy_tile(at, src, width, pad, ld, first, per_piece=4, keys=BN, threads=NT):
+    """Lines: this thread's 16-byte pieces of the ``keys x pad`` tile of rows ``first ..`` of
+    ``src`` into shared ``sm`` from word ``at`` (row stride ``ld`` 4-byte words), by
+    ``copy_async16``; a piece is ``per_piece`` elements of ``src`` (4 float32, 8 float16) and 4
+    words of ``sm``. Rows outside the block's keys ``[lo, hi]`` and pieces past ``width`` (a
+    multiple of ``per_piece``) are zero-filled."""
+    per_row = pad // per_piece
     lines = []
-    for u in range(-(-BN * per_row // NT)):
-        e = f"(tid + {u * NT})"
-        j, c = f"({e} // {per_row})", f"4 * ({e} % {per_row})"
+    for u in range(-(-keys * per_row // threads)):
+        e = f"(tid + {u * threads})"
+        j, p = f"({e} // {per_row})", f"({e} % {per_row})"
+        c = f"{per_piece} * {p}"
         ok = f"(lo <= {first} + {j}) & ({first} + {j} <= hi) & ({c} < {width})"
-        guard = [] if BN * per_row % NT == 0 else [f"if {e} < {BN * per_row}:"]
-        body = (f"copy_async16(sm, ({at} + {j} * {ld} + {c}) & ALIGN4, {src}, "
-                f"min(max({first} + {j}, lo), hi) & ANY, min({c}, {width} - 4) & ANY, "
+        guard = [] if keys * per_row % threads == 0 else [f"if {e} < {keys * per_row}:"]
+        body = (f"copy_async16(sm, ({at} + {j} * {ld} + 4 * {p}) & ALIGN4, {src}, "
+                f"min(max({first} + {j}, lo), hi) & ANY, min({c}, {width} - {per_piece}) & ANY, "
                 f"16 if {ok} else 0)")
         lines += guard + [("    " if guard else "") + body]
     return lines
@@ -153,6 +155,43 @@ def _copy_tile(at, src, width, pad, ld, first):
 def _split(value, big, small):
     """Lines: ``value`` (float32) as the TF32 parts ``big + small`` (3xTF32, ``mma.py``)."""
     return [f"{big} = tf32({value})", f"{small} = tf32({value} - {big})"]
+
+
+def softmax_lines(nj):
+    """Lines: the online softmax of a tile of scores ``s{j}_{c}`` (``nj`` n-tiles in the MMA's
+    accumulator layout: ``c`` 0, 1 of row ``r_lo``, 2, 3 of ``r_hi``; a row spread over the 4
+    lanes of a quad), base 2: new running max ``m_lo``/``m_hi``, the rescale ``alpha_lo``/
+    ``alpha_hi`` of what came before, the scores replaced by ``P``, and ``l`` updated."""
+    softmax = []
+    for w, cs in (("lo", (0, 1)), ("hi", (2, 3))):
+        vals = [f"s{j}_{c}" for j in range(nj) for c in cs]
+        softmax += [f"mx = {vals[0]}"] + [f"mx = max(mx, {x})" for x in vals[1:]]
+        softmax += [f"mx = max(mx, shfl_xor_sync(FULL_MASK, mx, {x}))" for x in (1, 2)]
+        softmax += [f"m_new = max(m_{w}, mx)",
+                    "m_use = cuda.selp(m_new != NEG_INF, m_new, ZERO)  # all masked so far: P = 0",
+                    f"alpha_{w} = math.exp2(m_{w} - m_use)  # max rose: rescale earlier terms",
+                    "row_sum = ZERO"]
+        softmax += join(*([f"{x} = math.exp2({x} - m_use)", f"row_sum += {x}"] for x in vals))
+        softmax += [f"row_sum += shfl_xor_sync(FULL_MASK, row_sum, {x})" for x in (1, 2)]
+        softmax += [f"l_{w} = alpha_{w} * l_{w} + row_sum", f"m_{w} = m_new"]
+    return softmax
+
+
+def store_lines(nvd):
+    """Lines: the output ``o{nd}_{c}`` (``nvd`` n-tiles of 8 dims, accumulator layout) divided
+    by ``l`` into ``out``, and ``lse``; rows past ``n_q`` and dims past ``dv`` are not stored."""
+    store = []
+    for w, cs in (("lo", (0, 1)), ("hi", (2, 3))):
+        store += [f"if r_{w} < n_q:",
+                  f"    seen = l_{w} != ZERO  # a row that sees no key: output 0, lse -inf",
+                  f"    inv_l = ONE / l_{w} if seen else ZERO"]
+        for nd in range(nvd):
+            for c in cs:
+                col = f"{8 * nd + (c & 1)} + 2 * t"
+                store += [f"    if {col} < dv: out[b, h, r_{w}, {col}] = o{nd}_{c} * inv_l"]
+        store += [f"    if t == 0: lse[b, h, r_{w}] = (m_{w} + math.log2(l_{w})) * LN2 "
+                  "if seen else NEG_INF"]
+    return store
 
 
 @functools.cache
@@ -189,18 +228,7 @@ def make_forward(d_pad, dv_pad, mods):
     elements = [(f"s{j}_{c}", "r_lo" if c < 2 else "r_hi", f"k0 + {8 * j + (c & 1)} + 2 * t",
                  0 if c < 2 else 1) for j in range(NJ) for c in range(4)]
     scores = score_lines(elements, [(0, "r_lo"), (1, "r_hi")], mods)  # first0, last0, ...
-    softmax = []
-    for w, cs in (("lo", (0, 1)), ("hi", (2, 3))):
-        vals = [f"s{j}_{c}" for j in range(NJ) for c in cs]
-        softmax += [f"mx = {vals[0]}"] + [f"mx = max(mx, {x})" for x in vals[1:]]
-        softmax += [f"mx = max(mx, shfl_xor_sync(FULL_MASK, mx, {x}))" for x in (1, 2)]
-        softmax += [f"m_new = max(m_{w}, mx)",
-                    "m_use = cuda.selp(m_new != NEG_INF, m_new, ZERO)  # all masked so far: P = 0",
-                    f"alpha_{w} = math.exp2(m_{w} - m_use)  # max rose: rescale earlier terms",
-                    "row_sum = ZERO"]
-        softmax += join(*([f"{x} = math.exp2({x} - m_use)", f"row_sum += {x}"] for x in vals))
-        softmax += [f"row_sum += shfl_xor_sync(FULL_MASK, row_sum, {x})" for x in (1, 2)]
-        softmax += [f"l_{w} = alpha_{w} * l_{w} + row_sum", f"m_{w} = m_new"]
+    softmax = softmax_lines(NJ)
     # P V: per k-step kk (keys 8kk..8kk+7 = S's n-tile kk) A = (s0, s2, s1, s3) of that
     # n-tile; per n-tile nd (dims 8nd..8nd+7) B = V[8kk + 2t, 8nd + g], V[8kk + 2t + 1, 8nd + g].
     # Each n-tile's P V of the tile is summed in the MMAs from zero and joins the output by a
@@ -222,26 +250,16 @@ def make_forward(d_pad, dv_pad, mods):
                        f"v{bb}0, v{bb}1, t0, t1, t2, t3)"]
         pv += [f"o{nd}_{c} = o{nd}_{c} * alpha_{'lo' if c < 2 else 'hi'} + t{c}"
                for c in range(4)]
-    store = []
-    for w, cs in (("lo", (0, 1)), ("hi", (2, 3))):
-        store += [f"if r_{w} < n_q:",
-                  f"    seen = l_{w} != ZERO  # a row that sees no key: output 0, lse -inf",
-                  f"    inv_l = ONE / l_{w} if seen else ZERO"]
-        for nd in range(NVD):
-            for c in cs:
-                col = f"{8 * nd + (c & 1)} + 2 * t"
-                store += [f"    if {col} < dv: out[b, h, r_{w}, {col}] = o{nd}_{c} * inv_l"]
-        store += [f"    if t == 0: lse[b, h, r_{w}] = (m_{w} + math.log2(l_{w})) * LN2 "
-                  "if seen else NEG_INF"]
+    store = store_lines(NVD)
     source = expand(
         TEMPLATE,
         block=FORWARD_BLOCK, load_q=q_block_lines("sm[({r} * LDQ + {c}) & ANY] = {x}"),
         band=band_lines(),
         init=["m_lo = NEG_INF", "m_hi = NEG_INF", "l_lo = ZERO", "l_hi = ZERO"]
         + rep("o{nd}_{c} = ZERO", nd=NVD, c=4),
-        copy_first_k=_copy_tile("K_AT", "kh", "d", DK, "LDK", "kb_lo * BN"),
-        copy_next_k=_copy_tile("K_AT", "kh", "d", DK, "LDK", "k0 + BN"),
-        copy_v=_copy_tile("V_AT", "vh", "dv", DV, "LDV", "k0"),
+        copy_first_k=copy_tile("K_AT", "kh", "d", DK, "LDK", "kb_lo * BN"),
+        copy_next_k=copy_tile("K_AT", "kh", "d", DK, "LDK", "k0 + BN"),
+        copy_v=copy_tile("V_AT", "vh", "dv", DV, "LDV", "k0"),
         zero_s=rep("s{j}_{c} = ZERO", j=NJ, c=4), s_mma=s_mma, scores=scores,
         softmax=softmax, pv=pv, store=store)
     names = {"cuda": cuda, "math": math, "shfl_xor_sync": shfl_xor_sync, "float32": float32,

@@ -125,3 +125,73 @@ def _asm_statement(text):
 copy_commit = _asm_statement("cp.async.commit_group;")  # close the group of copies started
 copy_wait = _asm_statement("cp.async.wait_group 1;")    # all groups but the newest are done
 copy_wait_all = _asm_statement("cp.async.wait_all;")
+
+
+# ---------------------------------------------------------------------------------------------
+# float16 products (m16n8k16): a 32-bit register holds two halves, the lower one the element
+# of the smaller index. A (16 x 16): a0 = A[g, 2t:2t+2], a1 = A[g + 8, 2t:2t+2],
+# a2 = A[g, 2t+8:2t+10], a3 = A[g + 8, 2t+8:2t+10]; B (16 x 8): b0 = B[2t:2t+2, g],
+# b1 = B[2t+8:2t+10, g]; C, D as m16n8k8's. The products of halves are exact in float32.
+
+@intrinsic
+def mma_f16(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+    """``D = A @ B + C`` for one warp's 16 x 8 x 16 tile, A and B float16 pairs in int32
+    registers (``pack_f16``, ``ldmatrix_x4_trans`` or a 32-bit shared load), C and D float32."""
+    if any(a != types.int32 for a in (a0, a1, a2, a3, b0, b1)) or any(
+            c != types.float32 for c in (c0, c1, c2, c3)):
+        return None
+    sig = types.UniTuple(types.float32, 4)(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+
+    def codegen(context, builder, sig, args):
+        fnty = ir.FunctionType(ir.LiteralStructType([_F32] * 4), [_I32] * 6 + [_F32] * 4)
+        mma = ir.InlineAsm(
+            fnty,
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+            "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
+            "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
+        res = builder.call(mma, list(args))
+        return context.make_tuple(builder, sig.return_type,
+                                  [builder.extract_value(res, i) for i in range(4)])
+
+    return sig, codegen
+
+
+@intrinsic
+def pack_f16(typingctx, lo, hi):
+    """Two float32 rounded to float16 (nearest even) in one int32: ``lo`` in the lower half."""
+    if lo != types.float32 or hi != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        cvt = ir.InlineAsm(ir.FunctionType(_I32, [_F32, _F32]),
+                           "cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f")  # $2 -> the upper half
+        return builder.call(cvt, list(args))
+
+    return types.int32(types.float32, types.float32), codegen
+
+
+@intrinsic
+def ldmatrix_x4_trans(typingctx, arr, index):
+    """Four 8 x 8 float16 matrices from shared memory, transposed, as B operands: lanes
+    ``8i .. 8i + 7`` give the rows of matrix ``i``, each row 16 bytes at ``arr[index]`` (a 1-D
+    shared array, 16-byte aligned there); lane ``l`` gets, per matrix ``i``, the pair
+    ``M_i[2t:2t+2, g]`` of its rows ``2t, 2t + 1`` and column ``g``."""
+    if not isinstance(arr, types.Array):
+        return None
+    sig = types.UniTuple(types.int32, 4)(arr, types.int64)
+
+    def codegen(context, builder, sig, args):
+        from numba.cuda import cgutils
+        aty = sig.args[0]
+        ary = context.make_array(aty)(context, builder, args[0])
+        ptr = cgutils.get_item_pointer(context, builder, aty, ary, [args[1]], wraparound=False)
+        load = ir.InlineAsm(
+            ir.FunctionType(ir.LiteralStructType([_I32] * 4), [_I64]),
+            "{ .reg .u64 s; cvta.to.shared.u64 s, $4; "
+            "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {$0, $1, $2, $3}, [s]; }",
+            "=r,=r,=r,=r,l,~{memory}", side_effect=True)  # reads what cp.async wrote: keep order
+        res = builder.call(load, [builder.ptrtoint(ptr, _I64)])
+        return context.make_tuple(builder, sig.return_type,
+                                  [builder.extract_value(res, i) for i in range(4)])
+
+    return sig, codegen

@@ -1,0 +1,226 @@
+"""Forward pass for float16 on the tensor cores: ``mma.sync`` m16n8k16 with float16 operands and
+float32 accumulation, as FlashAttention-2 does it.
+
+The layout is ``forward_mma``'s (one block of 4 warps per 64 query rows, warp ``w`` owning rows
+``16 w .. 16 w + 15``, K/V tiles through shared memory by ``cp.async``, the next K tile in
+flight during the softmax and ``P V``), with float16 where that kernel splits float32 into
+TF32 parts:
+
+    Q fragments -> registers, as they are (float16, unscaled: exact)
+    for each key tile the block can see (64 keys):
+        S = Q K^T                            # float16 products, exact; float32 sums
+        S = S * scale * log2(e); softcap / ALiBi / band mask; online softmax per row
+        acc = alpha * acc;  acc += P V       # P rounded to float16, V as it is
+    out = acc / l;  lse = ln(2) * (m + log2(l))
+
+Numerics. Q, K and V are used as the caller gave them: a product of two halves is exact in
+float32, so ``S`` is as accurate as float32 accumulation makes it (the scale is applied to S
+in float32, not folded into Q, which would round Q again). ``P`` enters ``P V`` rounded to
+float16 (relative error 2^-11, below the float16 output's own rounding); ``l`` sums the
+unrounded P. The output accumulates in the MMAs across tiles, as FlashAttention and torch's
+flash kernel do: the tensor cores' truncating accumulation costs about 1e-7 relative per
+tile, far below float16's resolution (``forward_mma`` stages each tile, for float32 output).
+
+Fragments. The accumulators of ``S`` for keys ``16 kk .. 16 kk + 15`` (n-tiles ``2 kk``, ``2 kk
++ 1``) are, packed in pairs, exactly the A operands of ``P V``'s k-step ``kk``: no shuffle. K's
+B operands are pairs of neighbouring dims, one 32-bit shared load; V's are pairs of
+neighbouring keys, which ``ldmatrix .trans`` gathers (four 8 x 8 blocks per instruction). Rows
+of the shared tiles are padded by 16 bytes so that both kinds of load hit every bank once.
+
+Used for float16 with head dims up to 128 (multiples of 8), K/V rows unit-stride and 16-byte
+aligned, on compute capability 8.0 or newer (``usable``); otherwise ``forward.py`` runs.
+"""
+import functools
+import math
+
+import numpy as np
+from numba import float32, int32, int64
+
+from .codegen import build, expand, rep
+from .forward_mma import copy_tile, pad16, softmax_lines, store_lines
+from .launch import compiled
+from .mma import copy_async16, copy_commit, copy_wait, copy_wait_all, ldmatrix_x4_trans
+from .mma import mma_f16, pack_f16
+from .runtime import load
+from .tiles import (
+    FORWARD_ARGS,
+    FORWARD_BLOCK,
+    FULL_MASK,
+    LN2,
+    NEG_INF,
+    ONE,
+    ZERO,
+    band_lines,
+    index_mask,
+    option_args,
+    score_lines,
+    shared_size,
+    shfl_xor_sync,
+    signature,
+)
+
+cuda = load()
+
+BM, BN, NT = 64, 64, 128  # query rows, keys per tile, threads (4 warps of 16 rows)
+MAX_HEAD_DIM = 128  # the output of 16 rows x 128 dims is 64 registers a thread
+
+
+def usable(q, k, v, device_cc):
+    """Whether this kernel takes the call: float16 on sm_80+, head dims up to ``MAX_HEAD_DIM``
+    and multiples of 8, K and V rows unit-stride and 16-byte aligned (``cp.async`` moves
+    16-byte pieces of them)."""
+    if device_cc < (8, 0) or not q.dtype == k.dtype == v.dtype == np.float16:
+        return False
+    d, dv = q.shape[3], v.shape[3]
+    if max(d, dv) > MAX_HEAD_DIM or d % 8 or dv % 8:
+        return False
+    for x in (k, v):
+        if x.strides[3] != 2 or x.ptr % 16 or any(s % 16 for s in x.strides[:3]):
+            return False
+    return True
+
+
+TEMPLATE = """
+def forward_f16(q, k, v, scale2, left, right, kv_lens, softcap2, slopes2, out, lse):
+    n_hq, n_q, d = q.shape[1], q.shape[2], q.shape[3]
+    n_hkv, dv = k.shape[1], v.shape[3]
+    # K tile [key][LDK words] at 0, V tile [key][LDV words] at V_AT; a word holds two halves
+    sm = cuda.shared.array(SIZE, int32, alignment=16)
+    tid = int64(cuda.threadIdx.x)
+    lane = tid % 32
+    g = lane // 4
+    t = lane % 4
+    @block
+    r_lo = q0 + (tid // 32) * 16 + g  # this thread's two rows
+    r_hi = r_lo + 8
+    @load_q
+    @band
+    @init
+    k_frag = (g * LDK + t) & ANY  # K[g][2t:2t+2] of a k-step, n-tile 0
+    # ldmatrix: lane l gives row l % 8 of 8 x 8 block l // 8 (keys +0/+8, dims +0/+8)
+    v_frag = (V_AT + ((lane // 8) % 2 * 8 + lane % 8) * LDV + (lane // 16) * 4) & ALIGN4
+    if kb_lo < kb_hi:
+        @copy_first_k
+    copy_commit()
+    for kb in range(kb_lo, kb_hi):
+        k0 = kb * BN
+        @copy_v
+        copy_commit()
+        copy_wait()  # this tile's K is in (its V may still be on its way)
+        cuda.syncthreads()
+        @zero_s
+        @s_mma
+        cuda.syncthreads()  # K reads done: the next tile's K may land
+        if kb + 1 < kb_hi:
+            @copy_next_k
+        copy_commit()
+        @to_base2
+        edge = k0 < first_hi or k0 + BN - 1 > last_lo  # the tile crosses the band's edge
+        @scores
+        @softmax
+        @rescale
+        copy_wait()  # this tile's V is in
+        cuda.syncthreads()
+        @pv
+        cuda.syncthreads()  # V reads done: the next tile's V may land
+    copy_wait_all()
+    @store
+"""
+
+
+def _load_q(nks):
+    """Lines: this thread's A fragments of Q for each k-step ``ks`` (dims ``16 ks ..``),
+    ``qa{ks}_{i}``, from global memory as they are; dims past ``d`` as 0 (rows past ``n_q``
+    read row ``n_q - 1``: never stored)."""
+    lines = ["qr_lo = min(r_lo, n_q - 1)", "qr_hi = min(r_hi, n_q - 1)"]
+    for ks in range(nks):
+        for i, (row, dim) in enumerate((("lo", 0), ("hi", 0), ("lo", 8), ("hi", 8))):
+            pair = []
+            for e in range(2):
+                col = f"{16 * ks + dim + e} + 2 * t"
+                pair.append(f"cuda.selp({col} < d, float32(q[b, h, qr_{row}, "
+                            f"min({col}, d - 1)]), ZERO)")
+            lines.append(f"qa{ks}_{i} = pack_f16({pair[0]}, {pair[1]})")
+    return lines
+
+
+@functools.cache
+def make_forward(d_pad, dv_pad, mods):
+    """The float16 tensor-core forward kernel for head dims up to ``d_pad``/``dv_pad``
+    (multiples of 16, at most ``MAX_HEAD_DIM``) and ``mods`` (softcap or ALiBi on)."""
+    DK, DV = d_pad, dv_pad
+    assert DK % 16 == 0 and DV % 16 == 0 and max(DK, DV) <= MAX_HEAD_DIM, (DK, DV)
+    NKS, NJ, NKV, NVD = DK // 16, BN // 8, BN // 16, DV // 8
+    # Row strides in words: rows 16-byte aligned (for cp.async and ldmatrix), and a multiple
+    # of 4 words plus 4 (mod 32), so that 8 rows of a quad's 32-bit K loads, or of an
+    # ldmatrix's 16-byte rows, fall on 8 distinct groups of 4 banks
+    LDK, LDV = DK // 2 + 4, DV // 2 + 4
+    V_AT = BN * LDK
+    SIZE = shared_size(V_AT + BN * LDV)
+    # S = Q K^T: per k-step ks, per n-tile j (keys 8j..8j+7) B = K[8j + g][16ks + 2t:+2] and
+    # K[8j + g][16ks + 8 + 2t:+2]: words 8ks + t and 8ks + 4 + t of row 8j + g. k-steps
+    # outermost: the NJ MMAs in a row do not wait for each other.
+    s_mma = []
+    for ks in range(NKS):
+        for j in range(NJ):
+            at = f"k_frag + {8 * j * LDK + 8 * ks}"
+            s_mma += [f"kf{j}_0 = sm[{at}]", f"kf{j}_1 = sm[{at} + 4]"]
+        for j in range(NJ):
+            acc = f"s{j}_0, s{j}_1, s{j}_2, s{j}_3"
+            s_mma += [f"{acc} = mma_f16(qa{ks}_0, qa{ks}_1, qa{ks}_2, qa{ks}_3, "
+                      f"kf{j}_0, kf{j}_1, {acc})"]
+    elements = [(f"s{j}_{c}", "r_lo" if c < 2 else "r_hi", f"k0 + {8 * j + (c & 1)} + 2 * t",
+                 0 if c < 2 else 1) for j in range(NJ) for c in range(4)]
+    # P V: k-step kk (keys 16kk..16kk+15) takes A = P of S's n-tiles 2kk, 2kk + 1 packed in
+    # pairs; each ldmatrix gives the B operands of two n-tiles of the output (dims 16np..+15)
+    pv = []
+    for kk in range(NKV):
+        lo, hi = 2 * kk, 2 * kk + 1
+        pv += [f"pa{kk}_0 = pack_f16(s{lo}_0, s{lo}_1)", f"pa{kk}_1 = pack_f16(s{lo}_2, s{lo}_3)",
+               f"pa{kk}_2 = pack_f16(s{hi}_0, s{hi}_1)", f"pa{kk}_3 = pack_f16(s{hi}_2, s{hi}_3)"]
+    for kk in range(NKV):
+        pa = f"pa{kk}_0, pa{kk}_1, pa{kk}_2, pa{kk}_3"
+        for np_ in range(DV // 16):
+            pv += [f"vf0, vf1, vf2, vf3 = ldmatrix_x4_trans(sm, v_frag + "
+                   f"{16 * kk} * LDV + {8 * np_})"]
+            for nd, (b0, b1) in ((2 * np_, ("vf0", "vf1")), (2 * np_ + 1, ("vf2", "vf3"))):
+                acc = f"o{nd}_0, o{nd}_1, o{nd}_2, o{nd}_3"
+                pv += [f"{acc} = mma_f16({pa}, {b0}, {b1}, {acc})"]
+    source = expand(
+        TEMPLATE,
+        block=FORWARD_BLOCK, load_q=_load_q(NKS), band=band_lines(),
+        init=["m_lo = NEG_INF", "m_hi = NEG_INF", "l_lo = ZERO", "l_hi = ZERO"]
+        + rep("o{nd}_{c} = ZERO", nd=NVD, c=4),
+        copy_first_k=copy_tile("0", "kh", "d", DK, "LDK", "kb_lo * BN", 8, BN, NT),
+        copy_next_k=copy_tile("0", "kh", "d", DK, "LDK", "k0 + BN", 8, BN, NT),
+        copy_v=copy_tile("V_AT", "vh", "dv", DV, "LDV", "k0", 8, BN, NT),
+        zero_s=rep("s{j}_{c} = ZERO", j=NJ, c=4), s_mma=s_mma,
+        to_base2=rep("s{j}_{c} *= scale2", j=NJ, c=4),
+        scores=score_lines(elements, [(0, "r_lo"), (1, "r_hi")], mods),
+        softmax=softmax_lines(NJ),
+        rescale=[f"o{nd}_{c} *= alpha_{'lo' if c < 2 else 'hi'}"
+                 for nd in range(NVD) for c in range(4)],
+        pv=pv, store=store_lines(NVD))
+    names = {"cuda": cuda, "math": math, "shfl_xor_sync": shfl_xor_sync, "float32": float32,
+             "int32": int32, "int64": int64, "mma_f16": mma_f16, "pack_f16": pack_f16,
+             "ldmatrix_x4_trans": ldmatrix_x4_trans, "copy_async16": copy_async16,
+             "copy_commit": copy_commit, "copy_wait": copy_wait, "copy_wait_all": copy_wait_all,
+             "FULL_MASK": FULL_MASK, "LN2": LN2, "NEG_INF": NEG_INF, "ONE": ONE, "ZERO": ZERO,
+             "BM": BM, "BN": BN, "NT": NT, "LDK": LDK, "LDV": LDV, "V_AT": V_AT, "SIZE": SIZE,
+             "MODS": mods, "ANY": index_mask(1), "ALIGN4": index_mask(4)}
+    return build(source, "forward_f16", names), NT, BM
+
+
+@functools.cache
+def kernel(d_pad, dv_pad, mods):
+    fn, threads, rows = make_forward(d_pad, dv_pad, mods)
+    return compiled(fn, signature(np.float16, FORWARD_ARGS)), threads, rows
+
+
+def run_forward(q, k, v, scale, band, mods, out, lse, stream=None):
+    """As ``forward.run_forward`` (which calls it for a non-empty ``out``), on the tensor
+    cores in float16; ``usable`` must hold."""
+    n_b, n_hq, n_q, d = q.shape
+    options, has_mods = option_args(scale, band, mods)
+    fn, threads, rows = kernel(pad16(d), pad16(v.shape[3]), has_mods)
+    fn((n_b * n_hq, -(-n_q // rows)), threads, stream, q, k, v, *options, out, lse)
