@@ -279,7 +279,7 @@ def test_tensor_core_kernel(shape, opt, monkeypatch):
     opts = _opts(opt, shape)
     q, k, v = qkv(shape)
     qd, kd, vd = on_gpu(q, k, v)
-    assert forward.tensor_cores(*(arrays.as_4d(arrays.view(x)) for x in (qd, kd, vd)))
+    assert forward.tensor_cores(*(arrays.as_4d(arrays.view(x)) for x in (qd, kd, vd))) is not None
     ref, ref_lse = reference.attention(q, k, v, return_lse=True, **opts)
     finite = np.isfinite(ref_lse)
     for mma in ("1", "0"):
@@ -300,4 +300,47 @@ def test_tensor_core_kernel_peaked_scores():
     out, lse = cpuflash.attention(*on_gpu(x, x, x), return_lse=True)
     ref, ref_lse = reference.attention(x, x, x, return_lse=True)
     np.testing.assert_allclose(out.copy_to_host(), ref, atol=1e-4 * np.abs(ref).max(), rtol=0)
+    np.testing.assert_allclose(lse.copy_to_host(), ref_lse, atol=2e-3, rtol=1e-5)
+
+
+@pytest.mark.skipif(SIMULATED, reason="the tensor-core kernel runs on a real GPU only")
+@pytest.mark.parametrize("shape", [(1, 2, 1, 77, 130, 64, 64), (2, 4, 2, 130, 257, 128, 128),
+                                   (1, 2, 2, 100, 90, 40, 72), (1, 1, 1, 3, 5, 8, 16)], ids=str)
+@pytest.mark.parametrize("opt", [{}, {"causal": True}, {"window": (20, 5)},
+                                 {"kv_lens": True, "causal": True},
+                                 {"causal": True, "softcap": 1.5, "alibi": True}], ids=str)
+def test_tensor_core_kernel_float16(shape, opt, monkeypatch):
+    """The float16 kernel (``forward_f16``) takes float16 calls with head dims up to 128, and
+    is as close to the float64 reference as the SIMT kernel it replaces there (P rounded to
+    float16 costs less than the float16 output's own rounding)."""
+    from cpuflash._cuda import arrays, forward, forward_f16
+    opts = _opts(opt, shape)
+    q, k, v = qkv(shape, np.float16)
+    qd, kd, vd = on_gpu(q, k, v)
+    views = (arrays.as_4d(arrays.view(x)) for x in (qd, kd, vd))
+    assert forward.tensor_cores(*views) is forward_f16
+    ref, ref_lse = reference.attention(q, k, v, return_lse=True, **opts)
+    finite = np.isfinite(ref_lse)
+    errors = []
+    for mma in ("1", "0"):
+        monkeypatch.setenv("CPUFLASH_CUDA_MMA", mma)
+        out, lse = cpuflash.attention(qd, kd, vd, return_lse=True, **opts)
+        out, lse = out.copy_to_host(), lse.copy_to_host()
+        assert out.dtype == np.float16
+        np.testing.assert_allclose(out, ref, atol=tol(np.float16, ref), rtol=0)
+        np.testing.assert_array_equal(np.isfinite(lse), finite)
+        np.testing.assert_allclose(lse[finite], ref_lse[finite], atol=1e-4, rtol=1e-5)
+        errors.append(np.abs(out - ref).max() if out.size else 0.0)
+    assert errors[0] <= 2 * errors[1] + 1e-3 * max(1.0, np.abs(ref).max())
+
+
+@pytest.mark.skipif(SIMULATED, reason="the tensor-core kernel runs on a real GPU only")
+def test_tensor_core_kernel_float16_peaked_scores():
+    """q = k = v scaled up (scores near 600): products of halves are exact in float32, so the
+    scores, and lse, keep float32 accuracy; only P meets float16 rounding."""
+    (x,) = rands((1, 2, 256, 64), dtype=np.float16)
+    x = (x * 3).astype(np.float16)
+    out, lse = cpuflash.attention(*on_gpu(x, x, x), return_lse=True)
+    ref, ref_lse = reference.attention(x, x, x, return_lse=True)
+    np.testing.assert_allclose(out.copy_to_host(), ref, atol=4e-3 * np.abs(ref).max(), rtol=0)
     np.testing.assert_allclose(lse.copy_to_host(), ref_lse, atol=2e-3, rtol=1e-5)

@@ -101,16 +101,64 @@ def test_ptx_tensor_cores(mods, tmp_path):
     _check_spills(ptx, tmp_path)
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_ptx_tensor_cores_float16(d, tmp_path):
+    """The float16 tensor-core forward kernel (mma.sync m16n8k16, ldmatrix.trans, cp.async)
+    through NVVM and ptxas for sm_90, with nothing spilled: one MMA per 16 x 8 x 16 piece of
+    ``Q K^T`` and of ``P V`` per key tile."""
+    from cpuflash._cuda import forward_f16
+    fn = forward_f16.make_forward(d, d, True)[0]
+    ptx = cuda.compile_ptx(fn, tiles.signature(np.float16, tiles.FORWARD_ARGS), cc=(9, 0))[0]
+    _check(ptx)
+    keys = forward_f16.SHAPES[d][1]
+    assert ptx.count("mma.sync.aligned.m16n8k16") == (d // 16) * (keys // 8) * 2
+    assert ptx.count("ldmatrix.sync.aligned.m8n8.x4.trans") == (keys // 16) * (d // 16)
+    assert "cp.async.cg.shared.global" in ptx
+    _check_spills(ptx, tmp_path)
+
+
+def test_float16_tensor_core_kernel_takes_only_what_it_can():
+    """``forward_f16.usable``: float16 on sm_80+, head dims up to 128 in multiples of 8, K and
+    V rows unit-stride and 16-byte aligned; else forward.py."""
+    from cpuflash._cuda.forward_f16 import usable
+
+    def arr(shape=(1, 2, 64, 64), dtype=np.float16, ptr=4096, strides=None):
+        return _gpu_array(shape, dtype, ptr, strides)
+
+    q = arr()
+    assert usable(q, arr(), arr(), (9, 0)) and usable(q, arr(), arr(), (8, 0))
+    assert not usable(q, arr(), arr(), (7, 5))
+    assert not usable(arr(dtype=np.float32), arr(dtype=np.float32), arr(dtype=np.float32),
+                      (9, 0))
+    assert not usable(q, arr(), arr(dtype=np.float32), (9, 0))
+    wide = arr((1, 2, 64, 128))
+    assert usable(wide, wide, wide, (9, 0))
+    wider = arr((1, 2, 64, 136))
+    assert not usable(wider, wider, wider, (9, 0))
+    odd = arr((1, 2, 64, 44))  # 88 bytes a row: not whole 16-byte pieces
+    assert not usable(odd, odd, odd, (9, 0))
+    assert usable(arr((1, 2, 64, 40)), arr((1, 2, 64, 40)), arr((1, 2, 64, 72)), (9, 0))
+    assert not usable(q, arr(ptr=4104), arr(), (9, 0))  # K not 16-byte aligned
+    transposed = arr(strides=(2 * 64 * 64 * 2, 64 * 64 * 2, 2, 64 * 2))
+    assert not usable(q, arr(), transposed, (9, 0))
+    heads_inner = arr(strides=(64 * 2 * 64 * 2, 64 * 2, 2 * 64 * 2, 2))  # (B, N, H, D) view
+    assert usable(q, heads_inner, heads_inner, (9, 0))
+
+
+def _gpu_array(shape, dtype, ptr, strides):
+    from cpuflash._cuda.arrays import GpuArray
+    item = np.dtype(dtype).itemsize
+    strides = strides or tuple(int(s) * item for s in np.cumprod((1,) + shape[:0:-1])[::-1])
+    return GpuArray(ptr, shape, strides, np.dtype(dtype), None, None)
+
+
 def test_tensor_core_kernel_takes_only_what_it_can():
     """``forward_mma.usable``: float32 on sm_80+, head dims up to 64 in multiples of 4, K and
     V rows unit-stride and 16-byte aligned (cp.async moves 16-byte pieces); else forward.py."""
-    from cpuflash._cuda.arrays import GpuArray
     from cpuflash._cuda.forward_mma import usable
 
     def arr(shape=(1, 2, 64, 64), dtype=np.float32, ptr=4096, strides=None):
-        item = np.dtype(dtype).itemsize
-        strides = strides or tuple(int(s) * item for s in np.cumprod((1,) + shape[:0:-1])[::-1])
-        return GpuArray(ptr, shape, strides, np.dtype(dtype), None, None)
+        return _gpu_array(shape, dtype, ptr, strides)
 
     q = arr()
     assert usable(q, arr(), arr(), (9, 0)) and usable(q, arr(), arr(), (8, 0))

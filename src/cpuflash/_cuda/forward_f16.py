@@ -1,13 +1,13 @@
 """Forward pass for float16 on the tensor cores: ``mma.sync`` m16n8k16 with float16 operands and
 float32 accumulation, as FlashAttention-2 does it.
 
-The layout is ``forward_mma``'s (one block of 4 warps per 64 query rows, warp ``w`` owning rows
+The layout is ``forward_mma``'s (one block of warps per query block, warp ``w`` owning rows
 ``16 w .. 16 w + 15``, K/V tiles through shared memory by ``cp.async``, the next K tile in
 flight during the softmax and ``P V``), with float16 where that kernel splits float32 into
-TF32 parts:
+TF32 parts; block and tile sizes by head dim in ``SHAPES``:
 
     Q fragments -> registers, as they are (float16, unscaled: exact)
-    for each key tile the block can see (64 keys):
+    for each key tile the block can see (BN keys):
         S = Q K^T                            # float16 products, exact; float32 sums
         S = S * scale * log2(e); softcap / ALiBi / band mask; online softmax per row
         acc = alpha * acc;  acc += P V       # P rounded to float16, V as it is
@@ -61,8 +61,13 @@ from .tiles import (
 
 cuda = load()
 
-BM, BN, NT = 64, 64, 128  # query rows, keys per tile, threads (4 warps of 16 rows)
 MAX_HEAD_DIM = 128  # the output of 16 rows x 128 dims is 64 registers a thread
+# (warps per block, each owning 16 query rows; keys per tile) by the widest padded head dim.
+# Measured on the H200 (B=4, H=16, N=4096-16384; ptxas registers): at D = 64, 4 warps x 64
+# keys (213 registers) 163-174 TFLOP/s, 4 x 32 (157) the same, 8 x 64 (170) 151-179, 8 x 32
+# 112-130; at D = 128, 4 x 64 spills 152 bytes, 4 x 32 (242) 167-185, 8 x 32 (221) 172-204.
+SHAPES = {16: (4, 64), 32: (4, 64), 48: (4, 64), 64: (4, 64),
+          80: (8, 32), 96: (8, 32), 112: (8, 32), 128: (8, 32)}
 
 
 def usable(q, k, v, device_cc):
@@ -150,6 +155,8 @@ def make_forward(d_pad, dv_pad, mods):
     (multiples of 16, at most ``MAX_HEAD_DIM``) and ``mods`` (softcap or ALiBi on)."""
     DK, DV = d_pad, dv_pad
     assert DK % 16 == 0 and DV % 16 == 0 and max(DK, DV) <= MAX_HEAD_DIM, (DK, DV)
+    warps, BN = SHAPES[max(DK, DV)]
+    BM, NT = 16 * warps, 32 * warps  # query rows, threads
     NKS, NJ, NKV, NVD = DK // 16, BN // 8, BN // 16, DV // 8
     # Row strides in words: rows 16-byte aligned (for cp.async and ldmatrix), and a multiple
     # of 4 words plus 4 (mod 32), so that 8 rows of a quad's 32-bit K loads, or of an
