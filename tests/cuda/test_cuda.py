@@ -344,3 +344,24 @@ def test_tensor_core_kernel_float16_peaked_scores():
     ref, ref_lse = reference.attention(x, x, x, return_lse=True)
     np.testing.assert_allclose(out.copy_to_host(), ref, atol=4e-3 * np.abs(ref).max(), rtol=0)
     np.testing.assert_allclose(lse.copy_to_host(), ref_lse, atol=2e-3, rtol=1e-5)
+
+
+@pytest.mark.skipif(SIMULATED, reason="torch CUDA tensors need a GPU")
+def test_torch_tensors_read_as_their_interface_says():
+    """``arrays.view`` reads a torch tensor's pointer, shape, strides and dtype from the tensor
+    itself (fast); it must say what ``__cuda_array_interface__`` says."""
+    torch = pytest.importorskip("torch")
+    from cpuflash._cuda import arrays
+    base = torch.randn(3, 4, 5, 8, device="cuda")
+    cases = [base, base.transpose(1, 2), base[:, :, 1:3], base.half(), base[:0],
+             torch.randn(1, 4, 1, 8, device="cuda").expand(2, 4, 3, 8),
+             torch.randn(2, 3, device="cuda", requires_grad=True)]
+    for x in cases:
+        fast = arrays.view(x)
+        desc = x.detach().__cuda_array_interface__
+        shape = tuple(desc["shape"])
+        strides = desc["strides"] or arrays._c_strides(shape, fast.dtype.itemsize)
+        assert (fast.ptr, fast.shape, fast.strides, fast.dtype.str, fast.stream) == (
+            desc["data"][0], shape, tuple(strides), desc["typestr"], desc.get("stream"))
+        assert arrays.is_gpu_array(x) and fast.owner is x
+    assert not arrays.is_gpu_array(torch.ones(2))

@@ -22,7 +22,7 @@ import math
 
 import numpy as np
 
-from .runtime import load, simulated
+from .runtime import context_handle, load, simulated
 
 
 class GpuArray:
@@ -52,10 +52,16 @@ def is_gpu_array(x):
     """Whether ``x`` lives on the GPU (the simulator's fake device arrays count)."""
     if getattr(x, "__cuda_ndarray__", False):
         return True
+    if _is_torch(x):
+        return bool(x.is_cuda)  # the interface would be built just to be tested
     try:
         return hasattr(_detached(x), "__cuda_array_interface__")
     except (AttributeError, RuntimeError, TypeError):  # a CPU tensor's property raising
         return False
+
+
+def _is_torch(x):
+    return type(x).__module__.startswith("torch") and hasattr(x, "data_ptr")
 
 
 def _detached(x):
@@ -78,6 +84,10 @@ def view(x):
     """``x`` (a GPU array of any kind) as a ``GpuArray``, in place, with no host sync."""
     if getattr(x, "__cuda_ndarray__", False) and simulated():
         return GpuArray(0, tuple(x.shape), tuple(x.strides), np.dtype(x.dtype), None, x)
+    if _is_torch(x) and not simulated() and x.is_cuda:
+        found = _torch_view(x)
+        if found is not None:
+            return found
     desc = _detached(x).__cuda_array_interface__
     if desc.get("mask") is not None:
         raise NotImplementedError("masked GPU arrays (a __cuda_array_interface__ mask) are not "
@@ -90,6 +100,24 @@ def view(x):
     strides = desc.get("strides")
     strides = tuple(strides) if strides is not None else _c_strides(shape, dtype.itemsize)
     return GpuArray(desc["data"][0], shape, strides, dtype, desc.get("stream"), x)
+
+
+def _torch_view(x):
+    """The ``GpuArray`` that torch's ``__cuda_array_interface__`` describes, read from the
+    tensor's own attributes (the interface is a dict built in Python: about 10 us a call,
+    ten calls per attention call before this); None for dtypes the kernels never take."""
+    dtype = _TORCH_DTYPES.get(str(x.dtype))
+    if dtype is None or x.is_sparse:
+        return None
+    shape = tuple(x.shape)
+    if x.is_contiguous():  # the interface omits the strides then
+        strides = _c_strides(shape, dtype.itemsize)
+    else:
+        strides = tuple(s * dtype.itemsize for s in x.stride())
+    return GpuArray(x.data_ptr() if x.numel() else 0, shape, strides, dtype, None, x)
+
+
+_TORCH_DTYPES = {f"torch.{name}": np.dtype(name) for name in ("float16", "float32", "float64")}
 
 
 def as_4d(x):
@@ -150,7 +178,7 @@ def uploaded(x):
     as a ``GpuArray``, made once per content and context and kept: the kernels only read it,
     and a copy per call is a synchronous upload that waits for the GPU."""
     cuda = load()
-    key = (x.dtype.str, x.shape, x.tobytes(), id(cuda.current_context()))
+    key = (x.dtype.str, x.shape, x.tobytes(), context_handle())
     found = _uploaded.get(key)
     if found is None:
         if len(_uploaded) >= MAX_UPLOADED:

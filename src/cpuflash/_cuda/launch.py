@@ -26,6 +26,7 @@ class Launcher:
     def __init__(self, kernel):
         self.dispatcher = kernel
         self._compiled = None
+        self._configs = {}  # (grid, block) -> LaunchConfig: made once, not per call
 
     def _kernel(self):
         if self._compiled is None:
@@ -65,8 +66,13 @@ class Launcher:
             else:
                 words.append(kind(arg))
         grid = tuple(grid) if isinstance(grid, tuple) else (grid,)
-        launch(core_stream(stream), make_config(grid=grid, block=block, shmem_size=0), kernel,
-               *words)
+        config = self._configs.get((grid, block))
+        if config is None:
+            if len(self._configs) >= 256:
+                self._configs.clear()
+            config = self._configs[grid, block] = make_config(grid=grid, block=block,
+                                                              shmem_size=0)
+        launch(core_stream(stream), config, kernel, *words)
 
 
 def compiled(fn, signature):
