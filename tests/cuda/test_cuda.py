@@ -349,19 +349,25 @@ def test_tensor_core_kernel_float16_peaked_scores():
 @pytest.mark.skipif(SIMULATED, reason="torch CUDA tensors need a GPU")
 def test_torch_tensors_read_as_their_interface_says():
     """``arrays.view`` reads a torch tensor's pointer, shape, strides and dtype from the tensor
-    itself (fast); it must say what ``__cuda_array_interface__`` says."""
+    itself (fast); it must say what ``__cuda_array_interface__`` says, and name torch's
+    current stream (a side stream inside ``torch.cuda.stream``)."""
     torch = pytest.importorskip("torch")
     from cpuflash._cuda import arrays
     base = torch.randn(3, 4, 5, 8, device="cuda")
     cases = [base, base.transpose(1, 2), base[:, :, 1:3], base.half(), base[:0],
              torch.randn(1, 4, 1, 8, device="cuda").expand(2, 4, 3, 8),
              torch.randn(2, 3, device="cuda", requires_grad=True)]
+    side = torch.cuda.Stream()
     for x in cases:
         fast = arrays.view(x)
         desc = x.detach().__cuda_array_interface__
         shape = tuple(desc["shape"])
         strides = desc["strides"] or arrays._c_strides(shape, fast.dtype.itemsize)
-        assert (fast.ptr, fast.shape, fast.strides, fast.dtype.str, fast.stream) == (
-            desc["data"][0], shape, tuple(strides), desc["typestr"], desc.get("stream"))
+        assert (fast.ptr, fast.shape, fast.strides, fast.dtype.str) == (
+            desc["data"][0], shape, tuple(strides), desc["typestr"])
         assert arrays.is_gpu_array(x) and fast.owner is x
+        # torch's interface names no stream: the kernels go on torch's current stream
+        assert fast.stream == torch.cuda.current_stream().cuda_stream
+        with torch.cuda.stream(side):
+            assert arrays.view(x).stream == side.cuda_stream != fast.stream
     assert not arrays.is_gpu_array(torch.ones(2))

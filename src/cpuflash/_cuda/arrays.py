@@ -6,8 +6,9 @@ Inside, an array is a ``GpuArray``: its pointer, shape, strides, dtype and strea
 the interface, plus the object that owns the memory. No numba device array is made per call:
 each costs 15-60 us of driver and context checks on the H200 machine's host, several per call.
 
-Streams: an array keeps the stream its producer named (the interface's ``stream``: torch and
-CuPy name their current stream), and the kernels are launched on it (``launch.Launcher``), so
+Streams: an array keeps the stream its producer named (the interface's ``stream``: CuPy names
+its current stream; for torch tensors, torch's current stream, which its interface does not
+name), and the kernels are launched on it (``launch.Launcher``), so
 they are ordered after the caller's earlier work and before its later work without any wait on
 the host. Results and scratch come from the caller's own allocator (``empty``: torch's and
 CuPy's caching allocators are stream-ordered on that same stream), not from ``cudaMalloc``/
@@ -105,7 +106,10 @@ def view(x):
 def _torch_view(x):
     """The ``GpuArray`` that torch's ``__cuda_array_interface__`` describes, read from the
     tensor's own attributes (the interface is a dict built in Python: about 10 us a call,
-    ten calls per attention call before this); None for dtypes the kernels never take."""
+    ten calls per attention call before this), with torch's current stream on the tensor's
+    device, where a torch op would run (torch's interface, version 2, names no stream); None
+    for dtypes the kernels never take."""
+    import torch
     dtype = _TORCH_DTYPES.get(str(x.dtype))
     if dtype is None or x.is_sparse:
         return None
@@ -114,7 +118,8 @@ def _torch_view(x):
         strides = _c_strides(shape, dtype.itemsize)
     else:
         strides = tuple(s * dtype.itemsize for s in x.stride())
-    return GpuArray(x.data_ptr() if x.numel() else 0, shape, strides, dtype, None, x)
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    return GpuArray(x.data_ptr() if x.numel() else 0, shape, strides, dtype, stream, x)
 
 
 _TORCH_DTYPES = {f"torch.{name}": np.dtype(name) for name in ("float16", "float32", "float64")}
