@@ -64,7 +64,7 @@ cuda = load()
 MAX_HEAD_DIM = 128  # the output of 16 rows x 128 dims is 64 registers a thread
 # (warps per block, each owning 16 query rows; keys per tile) by the widest padded head dim.
 # Measured on the H200 (B=4, H=16, N=4096-16384; ptxas registers): at D = 64, 4 warps x 64
-# keys (213 registers) 163-174 TFLOP/s, 4 x 32 (157) the same, 8 x 64 (170) 151-179, 8 x 32
+# keys (213 registers) 157-178 TFLOP/s, 4 x 32 (157) the same, 8 x 64 (170) 151-179, 8 x 32
 # 112-130; at D = 128, 4 x 64 spills 152 bytes, 4 x 32 (242) 167-185, 8 x 32 (221) 172-204.
 SHAPES = {16: (4, 64), 32: (4, 64), 48: (4, 64), 64: (4, 64),
           80: (8, 32), 96: (8, 32), 112: (8, 32), 128: (8, 32)}
