@@ -39,8 +39,8 @@ from numba import float32, int32, int64
 from .codegen import build, expand, rep
 from .forward_mma import copy_tile, pad16, softmax_lines, store_lines
 from .launch import compiled
-from .mma import copy_async16, copy_commit, copy_wait, copy_wait_all, ldmatrix_x4_trans
-from .mma import mma_f16, pack_f16
+from .mma import copy_async16, copy_commit, copy_wait, copy_wait_all, ldmatrix_x4
+from .mma import ldmatrix_x4_trans, mma_f16, pack_f16
 from .runtime import load
 from .tiles import (
     FORWARD_ARGS,
@@ -66,8 +66,9 @@ MAX_HEAD_DIM = 128  # the output of 16 rows x 128 dims is 64 registers a thread
 # Measured on the H200 (B=4, H=16, N=4096-16384; ptxas registers): at D = 64, 4 warps x 64
 # keys (213 registers) 157-178 TFLOP/s, 4 x 32 (157) the same, 8 x 64 (170) 151-179, 8 x 32
 # 112-130; at D = 128, 4 x 64 spills 152 bytes, 4 x 32 (242) 167-185, 8 x 32 (221) 172-204.
-SHAPES = {16: (4, 64), 32: (4, 64), 48: (4, 64), 64: (4, 64),
-          80: (8, 32), 96: (8, 32), 112: (8, 32), 128: (8, 32)}
+SHAPES = {16: (4, 1, 64, False), 32: (4, 1, 64, False), 48: (4, 1, 64, False),
+          64: (4, 1, 64, False), 80: (8, 1, 32, False), 96: (8, 1, 32, False),
+          112: (8, 1, 32, False), 128: (8, 1, 32, False)}
 
 
 def usable(q, k, v, device_cc):
@@ -96,8 +97,7 @@ def forward_f16(q, k, v, scale2, left, right, kv_lens, softcap2, slopes2, out, l
     g = lane // 4
     t = lane % 4
     @block
-    r_lo = q0 + (tid // 32) * 16 + g  # this thread's two rows
-    r_hi = r_lo + 8
+    @rows
     @load_q
     @band
     @init
@@ -133,11 +133,16 @@ def forward_f16(q, k, v, scale2, left, right, kv_lens, softcap2, slopes2, out, l
 """
 
 
-def _load_q(nks):
-    """Lines: this thread's A fragments of Q for each k-step ``ks`` (dims ``16 ks ..``),
-    ``qa{ks}_{i}``, from global memory as they are; dims past ``d`` as 0 (rows past ``n_q``
-    read row ``n_q - 1``: never stored)."""
-    lines = ["qr_lo = min(r_lo, n_q - 1)", "qr_hi = min(r_hi, n_q - 1)"]
+def _tags(mt):
+    """Name tags of a warp's ``mt`` m-tiles (16 rows each): "" for one, else "a", "b", ..."""
+    return [""] if mt == 1 else [chr(ord("a") + i) for i in range(mt)]
+
+
+def _load_q(nks, tag):
+    """Lines: this thread's A fragments of Q for each k-step ``ks`` (dims ``16 ks ..``) of the
+    m-tile ``tag``, ``qa{tag}{ks}_{i}``, from global memory as they are; dims past ``d`` as 0
+    (rows past ``n_q`` read row ``n_q - 1``: never stored)."""
+    lines = [f"qr_lo = min(r{tag}_lo, n_q - 1)", f"qr_hi = min(r{tag}_hi, n_q - 1)"]
     for ks in range(nks):
         for i, (row, dim) in enumerate((("lo", 0), ("hi", 0), ("lo", 8), ("hi", 8))):
             pair = []
@@ -145,8 +150,24 @@ def _load_q(nks):
                 col = f"{16 * ks + dim + e} + 2 * t"
                 pair.append(f"cuda.selp({col} < d, float32(q[b, h, qr_{row}, "
                             f"min({col}, d - 1)]), ZERO)")
-            lines.append(f"qa{ks}_{i} = pack_f16({pair[0]}, {pair[1]})")
+            lines.append(f"qa{tag}{ks}_{i} = pack_f16({pair[0]}, {pair[1]})")
     return lines
+
+
+def _store_q(bm, dk, threads):
+    """Lines: the block's Q rows into shared memory as they are, two halves a word (row
+    ``LDQ`` words); rows past ``n_q`` and dims past ``d`` as 0."""
+    half = dk // 2
+    return [f"for e in range(tid, {bm * half}, {threads}):",
+            f"    r = q0 + e // {half}",
+            f"    c = 2 * (e % {half})",
+            "    x0 = ZERO",
+            "    x1 = ZERO",
+            "    if r < n_q and c < d:",
+            "        x0 = float32(q[b, h, r, c])",
+            "        if c + 1 < d:",
+            "            x1 = float32(q[b, h, r, c + 1])",
+            f"    sm[(Q_AT + (e // {half}) * LDQ + e % {half}) & ANY] = pack_f16(x0, x1)"]
 
 
 @functools.cache
@@ -155,65 +176,98 @@ def make_forward(d_pad, dv_pad, mods):
     (multiples of 16, at most ``MAX_HEAD_DIM``) and ``mods`` (softcap or ALiBi on)."""
     DK, DV = d_pad, dv_pad
     assert DK % 16 == 0 and DV % 16 == 0 and max(DK, DV) <= MAX_HEAD_DIM, (DK, DV)
-    warps, BN = SHAPES[max(DK, DV)]
-    BM, NT = 16 * warps, 32 * warps  # query rows, threads
+    warps, MT, BN, Q_SHARED = SHAPES[max(DK, DV)]
+    BM, NT = 16 * MT * warps, 32 * warps  # query rows, threads
+    tags = _tags(MT)
     NKS, NJ, NKV, NVD = DK // 16, BN // 8, BN // 16, DV // 8
     # Row strides in words: rows 16-byte aligned (for cp.async and ldmatrix), and a multiple
     # of 4 words plus 4 (mod 32), so that 8 rows of a quad's 32-bit K loads, or of an
     # ldmatrix's 16-byte rows, fall on 8 distinct groups of 4 banks
     LDK, LDV = DK // 2 + 4, DV // 2 + 4
     V_AT = BN * LDK
-    SIZE = shared_size(V_AT + BN * LDV)
+    Q_AT, LDQ = V_AT + BN * LDV, DK // 2 + 4  # Q block [row][LDQ words], when in shared memory
+    SIZE = shared_size(Q_AT + (BM * LDQ if Q_SHARED else 0))
+    # warp w owns m-tiles w * MT .. w * MT + MT - 1 of 16 rows; a thread rows g and g + 8 of each
+    rows = []
+    for i, tag in enumerate(tags):
+        rows += [f"r{tag}_lo = q0 + ((tid // 32) * {MT} + {i}) * 16 + g",
+                 f"r{tag}_hi = r{tag}_lo + 8"]
     # S = Q K^T: per k-step ks, per n-tile j (keys 8j..8j+7) B = K[8j + g][16ks + 2t:+2] and
-    # K[8j + g][16ks + 8 + 2t:+2]: words 8ks + t and 8ks + 4 + t of row 8j + g. k-steps
-    # outermost: the NJ MMAs in a row do not wait for each other.
+    # K[8j + g][16ks + 8 + 2t:+2]: words 8ks + t and 8ks + 4 + t of row 8j + g, loaded once for
+    # all the warp's m-tiles. k-steps outermost: the MMAs in a row do not wait for each other.
     s_mma = []
     for ks in range(NKS):
         for j in range(NJ):
             at = f"k_frag + {8 * j * LDK + 8 * ks}"
             s_mma += [f"kf{j}_0 = sm[{at}]", f"kf{j}_1 = sm[{at} + 4]"]
-        for j in range(NJ):
-            acc = f"s{j}_0, s{j}_1, s{j}_2, s{j}_3"
-            s_mma += [f"{acc} = mma_f16(qa{ks}_0, qa{ks}_1, qa{ks}_2, qa{ks}_3, "
-                      f"kf{j}_0, kf{j}_1, {acc})"]
-    elements = [(f"s{j}_{c}", "r_lo" if c < 2 else "r_hi", f"k0 + {8 * j + (c & 1)} + 2 * t",
-                 0 if c < 2 else 1) for j in range(NJ) for c in range(4)]
+        for tag in tags:
+            qa = ", ".join(f"qa{tag}{ks}_{i}" for i in range(4))
+            if Q_SHARED:
+                s_mma += [f"{qa} = ldmatrix_x4(sm, q_frag{tag} + {8 * ks})"]
+            for j in range(NJ):
+                acc = ", ".join(f"s{tag}{j}_{c}" for c in range(4))
+                s_mma += [f"{acc} = mma_f16({qa}, kf{j}_0, kf{j}_1, {acc})"]
+    elements, row_tags, softmax = [], [], []
+    for i, tag in enumerate(tags):
+        elements += [(f"s{tag}{j}_{c}", f"r{tag}_lo" if c < 2 else f"r{tag}_hi",
+                      f"k0 + {8 * j + (c & 1)} + 2 * t", 2 * i + (c >= 2))
+                     for j in range(NJ) for c in range(4)]
+        row_tags += [(2 * i, f"r{tag}_lo"), (2 * i + 1, f"r{tag}_hi")]
+        softmax += softmax_lines(NJ, tag)
     # P V: k-step kk (keys 16kk..16kk+15) takes A = P of S's n-tiles 2kk, 2kk + 1 packed in
-    # pairs; each ldmatrix gives the B operands of two n-tiles of the output (dims 16np..+15)
+    # pairs; each ldmatrix gives the B operands of two n-tiles of the output (dims 16np..+15),
+    # for all the warp's m-tiles
     pv = []
+    for tag in tags:
+        for kk in range(NKV):
+            lo, hi = f"s{tag}{2 * kk}", f"s{tag}{2 * kk + 1}"
+            pv += [f"pa{tag}{kk}_0 = pack_f16({lo}_0, {lo}_1)",
+                   f"pa{tag}{kk}_1 = pack_f16({lo}_2, {lo}_3)",
+                   f"pa{tag}{kk}_2 = pack_f16({hi}_0, {hi}_1)",
+                   f"pa{tag}{kk}_3 = pack_f16({hi}_2, {hi}_3)"]
     for kk in range(NKV):
-        lo, hi = 2 * kk, 2 * kk + 1
-        pv += [f"pa{kk}_0 = pack_f16(s{lo}_0, s{lo}_1)", f"pa{kk}_1 = pack_f16(s{lo}_2, s{lo}_3)",
-               f"pa{kk}_2 = pack_f16(s{hi}_0, s{hi}_1)", f"pa{kk}_3 = pack_f16(s{hi}_2, s{hi}_3)"]
-    for kk in range(NKV):
-        pa = f"pa{kk}_0, pa{kk}_1, pa{kk}_2, pa{kk}_3"
         for np_ in range(DV // 16):
             pv += [f"vf0, vf1, vf2, vf3 = ldmatrix_x4_trans(sm, v_frag + "
                    f"{16 * kk} * LDV + {8 * np_})"]
-            for nd, (b0, b1) in ((2 * np_, ("vf0", "vf1")), (2 * np_ + 1, ("vf2", "vf3"))):
-                acc = f"o{nd}_0, o{nd}_1, o{nd}_2, o{nd}_3"
-                pv += [f"{acc} = mma_f16({pa}, {b0}, {b1}, {acc})"]
+            for tag in tags:
+                pa = ", ".join(f"pa{tag}{kk}_{i}" for i in range(4))
+                for nd, (b0, b1) in ((2 * np_, ("vf0", "vf1")), (2 * np_ + 1, ("vf2", "vf3"))):
+                    acc = ", ".join(f"o{tag}{nd}_{c}" for c in range(4))
+                    pv += [f"{acc} = mma_f16({pa}, {b0}, {b1}, {acc})"]
+    init, rescale, store, load_q = [], [], [], []
+    for tag in tags:
+        init += [f"m{tag}_lo = NEG_INF", f"m{tag}_hi = NEG_INF", f"l{tag}_lo = ZERO",
+                 f"l{tag}_hi = ZERO"] + rep(f"o{tag}{{nd}}_{{c}} = ZERO", nd=NVD, c=4)
+        rescale += [f"o{tag}{nd}_{c} *= alpha{tag}_{'lo' if c < 2 else 'hi'}"
+                    for nd in range(NVD) for c in range(4)]
+        store += store_lines(NVD, tag)
+        if not Q_SHARED:
+            load_q += _load_q(NKS, tag)
+    if Q_SHARED:
+        load_q = _store_q(BM, DK, NT)
+        for i, tag in enumerate(tags):  # ldmatrix: lane l gives row l % 8 of block l // 8
+            load_q += [f"q_frag{tag} = (Q_AT + (((tid // 32) * {MT} + {i}) * 16 + (lane // 8) % 2 "
+                       f"* 8 + lane % 8) * LDQ + (lane // 16) * 4) & ALIGN4"]
     source = expand(
         TEMPLATE,
-        block=FORWARD_BLOCK, load_q=_load_q(NKS), band=band_lines(),
-        init=["m_lo = NEG_INF", "m_hi = NEG_INF", "l_lo = ZERO", "l_hi = ZERO"]
-        + rep("o{nd}_{c} = ZERO", nd=NVD, c=4),
-        copy_first_k=copy_tile("0", "kh", "d", DK, "LDK", "kb_lo * BN", 8, BN, NT),
-        copy_next_k=copy_tile("0", "kh", "d", DK, "LDK", "k0 + BN", 8, BN, NT),
-        copy_v=copy_tile("V_AT", "vh", "dv", DV, "LDV", "k0", 8, BN, NT),
-        zero_s=rep("s{j}_{c} = ZERO", j=NJ, c=4), s_mma=s_mma,
-        to_base2=rep("s{j}_{c} *= scale2", j=NJ, c=4),
-        scores=score_lines(elements, [(0, "r_lo"), (1, "r_hi")], mods),
-        softmax=softmax_lines(NJ),
-        rescale=[f"o{nd}_{c} *= alpha_{'lo' if c < 2 else 'hi'}"
-                 for nd in range(NVD) for c in range(4)],
-        pv=pv, store=store_lines(NVD))
+        block=FORWARD_BLOCK, rows=rows, load_q=load_q, band=band_lines(), init=init,
+        copy_first_k=copy_tile("0", "kh", "d", DK, "LDK", "kb_lo * BN", 8, BN, NT, True),
+        copy_next_k=copy_tile("0", "kh", "d", DK, "LDK", "k0 + BN", 8, BN, NT, True),
+        copy_v=copy_tile("V_AT", "vh", "dv", DV, "LDV", "k0", 8, BN, NT, True),
+        zero_s=[f"s{tag}{j}_{c} = ZERO" for tag in tags for j in range(NJ) for c in range(4)],
+        s_mma=s_mma,
+        to_base2=[f"s{tag}{j}_{c} *= scale2" for tag in tags for j in range(NJ)
+                  for c in range(4)],
+        scores=score_lines(elements, row_tags, mods), softmax=softmax, rescale=rescale,
+        pv=pv, store=store)
     names = {"cuda": cuda, "math": math, "shfl_xor_sync": shfl_xor_sync, "float32": float32,
              "int32": int32, "int64": int64, "mma_f16": mma_f16, "pack_f16": pack_f16,
-             "ldmatrix_x4_trans": ldmatrix_x4_trans, "copy_async16": copy_async16,
+             "ldmatrix_x4": ldmatrix_x4, "ldmatrix_x4_trans": ldmatrix_x4_trans,
+             "copy_async16": copy_async16,
              "copy_commit": copy_commit, "copy_wait": copy_wait, "copy_wait_all": copy_wait_all,
              "FULL_MASK": FULL_MASK, "LN2": LN2, "NEG_INF": NEG_INF, "ONE": ONE, "ZERO": ZERO,
              "BM": BM, "BN": BN, "NT": NT, "LDK": LDK, "LDV": LDV, "V_AT": V_AT, "SIZE": SIZE,
+             "Q_AT": Q_AT, "LDQ": LDQ,
              "MODS": mods, "ANY": index_mask(1), "ALIGN4": index_mask(4)}
     return build(source, "forward_f16", names), NT, BM
 

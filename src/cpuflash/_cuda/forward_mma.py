@@ -131,17 +131,22 @@ def forward_mma(q, k, v, scale2, left, right, kv_lens, softcap2, slopes2, out, l
 """
 
 
-def copy_tile(at, src, width, pad, ld, first, per_piece=4, keys=BN, threads=NT):
+def copy_tile(at, src, width, pad, ld, first, per_piece=4, keys=BN, threads=NT,
+              affine=False):
     """Lines: this thread's 16-byte pieces of the ``keys x pad`` tile of rows ``first ..`` of
     ``src`` into shared ``sm`` from word ``at`` (row stride ``ld`` 4-byte words), by
     ``copy_async16``; a piece is ``per_piece`` elements of ``src`` (4 float32, 8 float16) and 4
     words of ``sm``. Rows outside the block's keys ``[lo, hi]`` and pieces past ``width`` (a
-    multiple of ``per_piece``) are zero-filled."""
+    multiple of ``per_piece``) are zero-filled. ``affine``: a thread's pieces written as one
+    row and column plus constant row offsets (when the threads cover whole rows), so that its
+    addresses differ by constants and need no register each."""
     per_row = pad // per_piece
     lines = []
     for u in range(-(-keys * per_row // threads)):
         e = f"(tid + {u * threads})"
         j, p = f"({e} // {per_row})", f"({e} % {per_row})"
+        if affine and threads % per_row == 0:  # the same piece of a row u * rows further on
+            j, p = f"(tid // {per_row} + {u * threads // per_row})", f"(tid % {per_row})"
         c = f"{per_piece} * {p}"
         ok = f"(lo <= {first} + {j}) & ({first} + {j} <= hi) & ({c} < {width})"
         guard = [] if keys * per_row % threads == 0 else [f"if {e} < {keys * per_row}:"]
@@ -157,39 +162,43 @@ def _split(value, big, small):
     return [f"{big} = tf32({value})", f"{small} = tf32({value} - {big})"]
 
 
-def softmax_lines(nj):
-    """Lines: the online softmax of a tile of scores ``s{j}_{c}`` (``nj`` n-tiles in the MMA's
-    accumulator layout: ``c`` 0, 1 of row ``r_lo``, 2, 3 of ``r_hi``; a row spread over the 4
-    lanes of a quad), base 2: new running max ``m_lo``/``m_hi``, the rescale ``alpha_lo``/
-    ``alpha_hi`` of what came before, the scores replaced by ``P``, and ``l`` updated."""
+def softmax_lines(nj, mt=""):
+    """Lines: the online softmax of a tile of scores ``s{mt}{j}_{c}`` (``nj`` n-tiles in the
+    MMA's accumulator layout: ``c`` 0, 1 of row ``r{mt}_lo``, 2, 3 of ``r{mt}_hi``; a row spread
+    over the 4 lanes of a quad), base 2: new running max ``m{mt}_lo``/``m{mt}_hi``, the rescale
+    ``alpha{mt}_lo``/``alpha{mt}_hi`` of what came before, the scores replaced by ``P``, and
+    ``l{mt}_lo``/``l{mt}_hi`` updated. ``mt``: a tag for a warp's m-tile ("" for one)."""
     softmax = []
     for w, cs in (("lo", (0, 1)), ("hi", (2, 3))):
-        vals = [f"s{j}_{c}" for j in range(nj) for c in cs]
+        m, total, alpha = f"m{mt}_{w}", f"l{mt}_{w}", f"alpha{mt}_{w}"
+        vals = [f"s{mt}{j}_{c}" for j in range(nj) for c in cs]
         softmax += [f"mx = {vals[0]}"] + [f"mx = max(mx, {x})" for x in vals[1:]]
         softmax += [f"mx = max(mx, shfl_xor_sync(FULL_MASK, mx, {x}))" for x in (1, 2)]
-        softmax += [f"m_new = max(m_{w}, mx)",
+        softmax += [f"m_new = max({m}, mx)",
                     "m_use = cuda.selp(m_new != NEG_INF, m_new, ZERO)  # all masked so far: P = 0",
-                    f"alpha_{w} = math.exp2(m_{w} - m_use)  # max rose: rescale earlier terms",
+                    f"{alpha} = math.exp2({m} - m_use)  # max rose: rescale earlier terms",
                     "row_sum = ZERO"]
         softmax += join(*([f"{x} = math.exp2({x} - m_use)", f"row_sum += {x}"] for x in vals))
         softmax += [f"row_sum += shfl_xor_sync(FULL_MASK, row_sum, {x})" for x in (1, 2)]
-        softmax += [f"l_{w} = alpha_{w} * l_{w} + row_sum", f"m_{w} = m_new"]
+        softmax += [f"{total} = {alpha} * {total} + row_sum", f"{m} = m_new"]
     return softmax
 
 
-def store_lines(nvd):
-    """Lines: the output ``o{nd}_{c}`` (``nvd`` n-tiles of 8 dims, accumulator layout) divided
-    by ``l`` into ``out``, and ``lse``; rows past ``n_q`` and dims past ``dv`` are not stored."""
+def store_lines(nvd, mt=""):
+    """Lines: the output ``o{mt}{nd}_{c}`` (``nvd`` n-tiles of 8 dims, accumulator layout)
+    divided by ``l`` into ``out``, and ``lse``; rows past ``n_q`` and dims past ``dv`` are not
+    stored. ``mt`` as in ``softmax_lines``."""
     store = []
     for w, cs in (("lo", (0, 1)), ("hi", (2, 3))):
-        store += [f"if r_{w} < n_q:",
-                  f"    seen = l_{w} != ZERO  # a row that sees no key: output 0, lse -inf",
-                  f"    inv_l = ONE / l_{w} if seen else ZERO"]
+        r, m, total = f"r{mt}_{w}", f"m{mt}_{w}", f"l{mt}_{w}"
+        store += [f"if {r} < n_q:",
+                  f"    seen = {total} != ZERO  # a row that sees no key: output 0, lse -inf",
+                  f"    inv_l = ONE / {total} if seen else ZERO"]
         for nd in range(nvd):
             for c in cs:
                 col = f"{8 * nd + (c & 1)} + 2 * t"
-                store += [f"    if {col} < dv: out[b, h, r_{w}, {col}] = o{nd}_{c} * inv_l"]
-        store += [f"    if t == 0: lse[b, h, r_{w}] = (m_{w} + math.log2(l_{w})) * LN2 "
+                store += [f"    if {col} < dv: out[b, h, {r}, {col}] = o{mt}{nd}_{c} * inv_l"]
+        store += [f"    if t == 0: lse[b, h, {r}] = ({m} + math.log2({total})) * LN2 "
                   "if seen else NEG_INF"]
     return store
 

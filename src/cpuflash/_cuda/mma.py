@@ -170,28 +170,41 @@ def pack_f16(typingctx, lo, hi):
     return types.int32(types.float32, types.float32), codegen
 
 
-@intrinsic
-def ldmatrix_x4_trans(typingctx, arr, index):
-    """Four 8 x 8 float16 matrices from shared memory, transposed, as B operands: lanes
-    ``8i .. 8i + 7`` give the rows of matrix ``i``, each row 16 bytes at ``arr[index]`` (a 1-D
-    shared array, 16-byte aligned there); lane ``l`` gets, per matrix ``i``, the pair
-    ``M_i[2t:2t+2, g]`` of its rows ``2t, 2t + 1`` and column ``g``."""
-    if not isinstance(arr, types.Array):
-        return None
-    sig = types.UniTuple(types.int32, 4)(arr, types.int64)
+def _ldmatrix(trans):
+    suffix = ".trans" if trans else ""
 
-    def codegen(context, builder, sig, args):
-        from numba.cuda import cgutils
-        aty = sig.args[0]
-        ary = context.make_array(aty)(context, builder, args[0])
-        ptr = cgutils.get_item_pointer(context, builder, aty, ary, [args[1]], wraparound=False)
-        load = ir.InlineAsm(
-            ir.FunctionType(ir.LiteralStructType([_I32] * 4), [_I64]),
-            "{ .reg .u64 s; cvta.to.shared.u64 s, $4; "
-            "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {$0, $1, $2, $3}, [s]; }",
-            "=r,=r,=r,=r,l,~{memory}", side_effect=True)  # reads what cp.async wrote: keep order
-        res = builder.call(load, [builder.ptrtoint(ptr, _I64)])
-        return context.make_tuple(builder, sig.return_type,
-                                  [builder.extract_value(res, i) for i in range(4)])
+    @intrinsic
+    def ldmatrix_x4(typingctx, arr, index):
+        if not isinstance(arr, types.Array):
+            return None
+        sig = types.UniTuple(types.int32, 4)(arr, types.int64)
 
-    return sig, codegen
+        def codegen(context, builder, sig, args):
+            from numba.cuda import cgutils
+            aty = sig.args[0]
+            ary = context.make_array(aty)(context, builder, args[0])
+            ptr = cgutils.get_item_pointer(context, builder, aty, ary, [args[1]],
+                                           wraparound=False)
+            load = ir.InlineAsm(
+                ir.FunctionType(ir.LiteralStructType([_I32] * 4), [_I64]),
+                "{ .reg .u64 s; cvta.to.shared.u64 s, $4; "
+                f"ldmatrix.sync.aligned.m8n8.x4{suffix}.shared.b16 {{$0, $1, $2, $3}}, [s]; }}",
+                "=r,=r,=r,=r,l,~{memory}", side_effect=True)  # reads what was stored: keep order
+            res = builder.call(load, [builder.ptrtoint(ptr, _I64)])
+            return context.make_tuple(builder, sig.return_type,
+                                      [builder.extract_value(res, i) for i in range(4)])
+
+        return sig, codegen
+
+    return ldmatrix_x4
+
+
+ldmatrix_x4 = _ldmatrix(False)
+ldmatrix_x4.__doc__ = """Four 8 x 8 float16 matrices from shared memory as A (or B) operands:
+lanes ``8i .. 8i + 7`` give the rows of matrix ``i``, each row 16 bytes at ``arr[index]`` (a 1-D
+shared array, 16-byte aligned there); lane ``l`` gets, per matrix ``i``, the pair
+``M_i[g, 2t:2t+2]``."""
+ldmatrix_x4_trans = _ldmatrix(True)
+ldmatrix_x4_trans.__doc__ = """As ``ldmatrix_x4``, each matrix transposed: lane ``l`` gets the
+pair ``M_i[2t:2t+2, g]`` of its rows ``2t, 2t + 1`` and column ``g`` (the B operands of a
+row-major tile)."""
