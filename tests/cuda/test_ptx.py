@@ -110,7 +110,7 @@ def test_ptx_tensor_cores_float16(d, tmp_path):
     fn = forward_f16.make_forward(d, d, True)[0]
     ptx = cuda.compile_ptx(fn, tiles.signature(np.float16, tiles.FORWARD_ARGS), cc=(9, 0))[0]
     _check(ptx)
-    _, m_tiles, keys = forward_f16.SHAPES[d]
+    _, m_tiles, keys, _ = forward_f16.SHAPES[d]
     assert ptx.count("mma.sync.aligned.m16n8k16") == m_tiles * (d // 16) * (keys // 8) * 2
     assert ptx.count("ldmatrix.sync.aligned.m8n8.x4.trans") == (keys // 16) * (d // 16)
     assert "cp.async.cg.shared.global" in ptx

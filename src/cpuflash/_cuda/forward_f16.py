@@ -1,12 +1,12 @@
 """Forward pass for float16 on the tensor cores: ``mma.sync`` m16n8k16 with float16 operands and
 float32 accumulation, as FlashAttention-2 does it.
 
-The layout is ``forward_mma``'s (one block of warps per query block, warp ``w`` owning rows
-``16 w .. 16 w + 15``, K/V tiles through shared memory by ``cp.async``, the next K tile in
+The layout is ``forward_mma``'s (one block of warps per query block, each warp owning whole
+m-tiles of 16 rows, K/V tiles through shared memory by ``cp.async``, the next K tile in
 flight during the softmax and ``P V``), with float16 where that kernel splits float32 into
 TF32 parts; block and tile sizes by head dim in ``SHAPES``:
 
-    Q fragments -> registers, as they are (float16, unscaled: exact)
+    Q block -> shared memory or registers, as it is (float16, unscaled: exact)
     for each key tile the block can see (BN keys):
         S = Q K^T                            # float16 products, exact; float32 sums
         S = S * scale * log2(e); softcap / ALiBi / band mask; online softmax per row
@@ -24,8 +24,10 @@ tile, far below float16's resolution (``forward_mma`` stages each tile, for floa
 Fragments. The accumulators of ``S`` for keys ``16 kk .. 16 kk + 15`` (n-tiles ``2 kk``, ``2 kk
 + 1``) are, packed in pairs, exactly the A operands of ``P V``'s k-step ``kk``: no shuffle. K's
 B operands are pairs of neighbouring dims, one 32-bit shared load; V's are pairs of
-neighbouring keys, which ``ldmatrix .trans`` gathers (four 8 x 8 blocks per instruction). Rows
-of the shared tiles are padded by 16 bytes so that both kinds of load hit every bank once.
+neighbouring keys, which ``ldmatrix .trans`` gathers (four 8 x 8 blocks per instruction); Q's
+A operands, when Q is in shared memory, come by ``ldmatrix``. A warp with two m-tiles reads
+each K and V fragment once for both. Rows of the shared tiles are padded by 16 bytes so that
+every kind of load hits every bank once.
 
 Used for float16 with head dims up to 128 (multiples of 8), K/V rows unit-stride and 16-byte
 aligned, on compute capability 8.0 or newer (``usable``); otherwise ``forward.py`` runs.
@@ -62,13 +64,18 @@ from .tiles import (
 cuda = load()
 
 MAX_HEAD_DIM = 128  # the output of 16 rows x 128 dims is 64 registers a thread
-# (warps per block, each owning 16 query rows; keys per tile) by the widest padded head dim.
-# Measured on the H200 (B=4, H=16, N=4096-16384; ptxas registers): at D = 64, 4 warps x 64
-# keys (213 registers) 157-178 TFLOP/s, 4 x 32 (157) the same, 8 x 64 (170) 151-179, 8 x 32
-# 112-130; at D = 128, 4 x 64 spills 152 bytes, 4 x 32 (242) 167-185, 8 x 32 (221) 172-204.
-SHAPES = {16: (4, 1, 64, False), 32: (4, 1, 64, False), 48: (4, 1, 64, False),
-          64: (4, 1, 64, False), 80: (8, 1, 32, False), 96: (8, 1, 32, False),
-          112: (8, 1, 32, False), 128: (8, 1, 32, False)}
+# By the widest padded head dim: (warps per block, m-tiles of 16 query rows per warp, keys per
+# tile, Q in shared memory rather than in registers). Two m-tiles per warp read each K and V
+# fragment once for both (FlashAttention-2 gives a warp 32 rows too); Q in shared memory frees
+# the registers that takes. Measured on the H200 against torch's flash kernel (B=4, H=16,
+# N=4096-16384; logs bench/results/h200_forward_f16_shapes*.txt; ptxas registers): at D=64,
+# (4, 2, 64, Q shared) 213-237 TFLOP/s, 0.71-0.77x (255 registers, no spills); (4, 1, 64, Q
+# shared) 0.58-0.62x; (4, 1, 64) 0.54-0.56x; (4, 2, 32, Q shared) 0.62-0.69x; (8, 1, 64)
+# 0.58-0.62x. At D=128, (8, 1, 64) 214-225 TFLOP/s, 0.60-0.67x; (8, 1, 32) 0.53-0.60x; (4, 1,
+# 32, Q shared) 0.50-0.52x (Q of 128 rows in shared memory would pass the static 48 KiB).
+SHAPES = {16: (4, 2, 64, True), 32: (4, 2, 64, True), 48: (4, 2, 64, True),
+          64: (4, 2, 64, True), 80: (8, 1, 64, False), 96: (8, 1, 64, False),
+          112: (8, 1, 64, False), 128: (8, 1, 64, False)}
 
 
 def usable(q, k, v, device_cc):
