@@ -39,7 +39,7 @@ import numpy as np
 from numba import float32, int32, int64
 
 from .codegen import build, expand, rep
-from .forward_mma import copy_tile, pad16, softmax_lines, store_lines
+from .forward_mma import copy_tile, pad16, softmax_lines, store_lines, takes
 from .launch import compiled
 from .mma import copy_async16, copy_commit, copy_wait, copy_wait_all, ldmatrix_x4
 from .mma import ldmatrix_x4_trans, mma_f16, pack_f16
@@ -79,18 +79,9 @@ SHAPES = {16: (4, 2, 64, True), 32: (4, 2, 64, True), 48: (4, 2, 64, True),
 
 
 def usable(q, k, v, device_cc):
-    """Whether this kernel takes the call: float16 on sm_80+, head dims up to ``MAX_HEAD_DIM``
-    and multiples of 8, K and V rows unit-stride and 16-byte aligned (``cp.async`` moves
-    16-byte pieces of them)."""
-    if device_cc < (8, 0) or not q.dtype == k.dtype == v.dtype == np.float16:
-        return False
-    d, dv = q.shape[3], v.shape[3]
-    if max(d, dv) > MAX_HEAD_DIM or d % 8 or dv % 8:
-        return False
-    for x in (k, v):
-        if x.strides[3] != 2 or x.ptr % 16 or any(s % 16 for s in x.strides[:3]):
-            return False
-    return True
+    """Whether this kernel takes the call (``forward_mma.takes``): float16, head dims up to
+    ``MAX_HEAD_DIM`` in multiples of 8."""
+    return takes(q, k, v, device_cc, np.float16, MAX_HEAD_DIM, 8)
 
 
 TEMPLATE = """

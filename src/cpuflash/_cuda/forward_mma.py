@@ -69,19 +69,26 @@ def pad16(n):
     return max(16, -(-n // 16) * 16)
 
 
-def usable(q, k, v, device_cc):
-    """Whether this kernel takes the call: float32 on sm_80+, head dims up to ``MAX_HEAD_DIM``
-    and multiples of 4, K and V rows unit-stride and 16-byte aligned (``copy_async16`` moves
-    16-byte pieces of them)."""
-    if device_cc < (8, 0) or not q.dtype == k.dtype == v.dtype == np.float32:
+def takes(q, k, v, device_cc, dtype, max_head_dim, multiple):
+    """Whether a tensor-core kernel takes the call: sm_80+, q, k and v all of ``dtype``, head
+    dims up to ``max_head_dim`` and multiples of ``multiple`` (whole 16-byte pieces), K and V
+    rows unit-stride and 16-byte aligned (``copy_async16`` moves 16-byte pieces of them)."""
+    if device_cc < (8, 0) or not q.dtype == k.dtype == v.dtype == dtype:
         return False
     d, dv = q.shape[3], v.shape[3]
-    if max(d, dv) > MAX_HEAD_DIM or d % 4 or dv % 4:
+    if max(d, dv) > max_head_dim or d % multiple or dv % multiple:
         return False
+    itemsize = np.dtype(dtype).itemsize
     for x in (k, v):
-        if x.strides[3] != 4 or x.ptr % 16 or any(s % 16 for s in x.strides[:3]):
+        if x.strides[3] != itemsize or x.ptr % 16 or any(s % 16 for s in x.strides[:3]):
             return False
     return True
+
+
+def usable(q, k, v, device_cc):
+    """Whether this kernel takes the call (``takes``): float32, head dims up to
+    ``MAX_HEAD_DIM`` in multiples of 4."""
+    return takes(q, k, v, device_cc, np.float32, MAX_HEAD_DIM, 4)
 
 
 TEMPLATE = """

@@ -78,6 +78,14 @@ def mma_tf32(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
 _I64 = ir.IntType(64)
 
 
+def _element(context, builder, array_type, array, indices):
+    """LLVM: the address of ``array[indices]`` (no negative-index wraparound)."""
+    from numba.cuda import cgutils
+    ary = context.make_array(array_type)(context, builder, array)
+    return cgutils.get_item_pointer(context, builder, array_type, ary, indices,
+                                    wraparound=False)
+
+
 @intrinsic
 def copy_async16(typingctx, dst, dst_index, src, row, col, nbytes):
     """Start copying 16 bytes from ``src[row, col]`` (a 2-D array, 16-byte aligned there) to
@@ -88,14 +96,9 @@ def copy_async16(typingctx, dst, dst_index, src, row, col, nbytes):
     sig = types.void(dst, types.int64, src, types.int64, types.int64, types.int64)
 
     def codegen(context, builder, sig, args):
-        from numba.cuda import cgutils
         dty, _, sty, _, _, _ = sig.args
-        dst_arr = context.make_array(dty)(context, builder, args[0])
-        dst_ptr = cgutils.get_item_pointer(context, builder, dty, dst_arr, [args[1]],
-                                           wraparound=False)
-        src_arr = context.make_array(sty)(context, builder, args[2])
-        src_ptr = cgutils.get_item_pointer(context, builder, sty, src_arr, [args[3], args[4]],
-                                           wraparound=False)
+        dst_ptr = _element(context, builder, dty, args[0], [args[1]])
+        src_ptr = _element(context, builder, sty, args[2], [args[3], args[4]])
         copy = ir.InlineAsm(
             ir.FunctionType(ir.VoidType(), [_I64, _I64, _I32]),
             "{ .reg .u64 s, g; cvta.to.shared.u64 s, $0; cvta.to.global.u64 g, $1; "
@@ -180,11 +183,7 @@ def _ldmatrix(trans):
         sig = types.UniTuple(types.int32, 4)(arr, types.int64)
 
         def codegen(context, builder, sig, args):
-            from numba.cuda import cgutils
-            aty = sig.args[0]
-            ary = context.make_array(aty)(context, builder, args[0])
-            ptr = cgutils.get_item_pointer(context, builder, aty, ary, [args[1]],
-                                           wraparound=False)
+            ptr = _element(context, builder, sig.args[0], args[0], [args[1]])
             load = ir.InlineAsm(
                 ir.FunctionType(ir.LiteralStructType([_I32] * 4), [_I64]),
                 "{ .reg .u64 s; cvta.to.shared.u64 s, $4; "
