@@ -33,6 +33,19 @@ _F32 = ir.FloatType()
 _I32 = ir.IntType(32)
 
 
+def _mma(context, builder, sig, shape, operands):
+    """LLVM: one ``mma.sync.aligned.<shape>`` on six 32-bit A/B registers and four float32
+    accumulators; the result as numba's tuple of four float32."""
+    fnty = ir.FunctionType(ir.LiteralStructType([_F32] * 4), [_I32] * 6 + [_F32] * 4)
+    mma = ir.InlineAsm(
+        fnty, f"mma.sync.aligned.{shape} "
+        "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
+        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
+    res = builder.call(mma, operands)
+    return context.make_tuple(builder, sig.return_type,
+                              [builder.extract_value(res, i) for i in range(4)])
+
+
 @intrinsic
 def tf32(typingctx, x):
     """``x`` rounded to TF32 (nearest, ties away from zero), as a float32 whose low 13 mantissa
@@ -57,16 +70,9 @@ def mma_tf32(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
     sig = types.UniTuple(types.float32, 4)(*args)
 
     def codegen(context, builder, sig, args):
-        ab = [builder.bitcast(x, _I32) for x in args[:6]]
-        fnty = ir.FunctionType(ir.LiteralStructType([_F32] * 4), [_I32] * 6 + [_F32] * 4)
-        mma = ir.InlineAsm(
-            fnty,
-            "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
-            "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
-            "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
-        res = builder.call(mma, ab + list(args[6:]))
-        return context.make_tuple(builder, sig.return_type,
-                                  [builder.extract_value(res, i) for i in range(4)])
+        ab = [builder.bitcast(x, _I32) for x in args[:6]]  # TF32 values travel as bits
+        return _mma(context, builder, sig, "m16n8k8.row.col.f32.tf32.tf32.f32",
+                    ab + list(args[6:]))
 
     return sig, codegen
 
@@ -146,15 +152,7 @@ def mma_f16(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
     sig = types.UniTuple(types.float32, 4)(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
 
     def codegen(context, builder, sig, args):
-        fnty = ir.FunctionType(ir.LiteralStructType([_F32] * 4), [_I32] * 6 + [_F32] * 4)
-        mma = ir.InlineAsm(
-            fnty,
-            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-            "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
-            "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
-        res = builder.call(mma, list(args))
-        return context.make_tuple(builder, sig.return_type,
-                                  [builder.extract_value(res, i) for i in range(4)])
+        return _mma(context, builder, sig, "m16n8k16.row.col.f32.f16.f16.f32", list(args))
 
     return sig, codegen
 
