@@ -371,3 +371,4 @@ def test_torch_tensors_read_as_their_interface_says():
         with torch.cuda.stream(side):
             assert arrays.view(x).stream == side.cuda_stream != fast.stream
     assert not arrays.is_gpu_array(torch.ones(2))
+    assert not arrays.is_gpu_array(torch.eye(3, device="cuda").to_sparse())  # as the interface

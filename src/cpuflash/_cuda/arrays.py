@@ -53,8 +53,8 @@ def is_gpu_array(x):
     """Whether ``x`` lives on the GPU (the simulator's fake device arrays count)."""
     if getattr(x, "__cuda_ndarray__", False):
         return True
-    if _is_torch(x):
-        return bool(x.is_cuda)  # the interface would be built just to be tested
+    if _is_torch(x):  # the interface would be built just to be tested; it refuses sparse ones
+        return bool(x.is_cuda) and not x.is_sparse
     try:
         return hasattr(_detached(x), "__cuda_array_interface__")
     except (AttributeError, RuntimeError, TypeError):  # a CPU tensor's property raising

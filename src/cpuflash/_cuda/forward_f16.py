@@ -40,7 +40,7 @@ import numpy as np
 from numba import float32, int32, int64
 
 from .codegen import build, expand, rep
-from .forward_mma import copy_tile, pad16, softmax_lines, store_lines, takes
+from .forward_mma import MMA_PREAMBLE, copy_tile, pad16, softmax_lines, store_lines, takes
 from .launch import compiled
 from .mma import copy_async16, copy_commit, copy_wait, copy_wait_all, ldmatrix_x4
 from .mma import ldmatrix_x4_trans, mma_f16, pack_f16
@@ -87,15 +87,10 @@ def usable(q, k, v, device_cc):
 
 TEMPLATE = """
 def forward_f16(q, k, v, scale2, left, right, kv_lens, softcap2, slopes2, out, lse):
-    n_hq, n_q, d = q.shape[1], q.shape[2], q.shape[3]
-    n_hkv, dv = k.shape[1], v.shape[3]
+    @preamble
     # K tile [key][LDK words] at 0, V tile [key][LDV words] at V_AT, Q block [row][LDQ words]
     # at Q_AT (when in shared memory); a word holds two halves
     sm = cuda.shared.array(SIZE, int32, alignment=16)
-    tid = int64(cuda.threadIdx.x)
-    lane = tid % 32
-    g = lane // 4
-    t = lane % 4
     @block
     @rows
     @load_q
@@ -250,7 +245,8 @@ def make_forward(d_pad, dv_pad, mods):
                        f"* 8 + lane % 8) * LDQ + (lane // 16) * 4) & ALIGN4"]
     source = expand(
         TEMPLATE,
-        block=FORWARD_BLOCK, rows=rows, load_q=load_q, band=band_lines(), init=init,
+        preamble=MMA_PREAMBLE, block=FORWARD_BLOCK, rows=rows, load_q=load_q, band=band_lines(),
+        init=init,
         copy_first_k=copy_tile("0", "kh", "d", DK, "LDK", "kb_lo * BN", 8, BN, NT, True),
         copy_next_k=copy_tile("0", "kh", "d", DK, "LDK", "k0 + BN", 8, BN, NT, True),
         copy_v=copy_tile("V_AT", "vh", "dv", DV, "LDV", "k0", 8, BN, NT, True),

@@ -65,6 +65,18 @@ BM, BN, NT = 64, 32, 128  # query rows, keys per tile, threads (4 warps of 16 ro
 MAX_HEAD_DIM = 64
 
 
+# The first lines of both tensor-core kernels: the shapes, and a thread's place in its warp in
+# the MMA fragments' terms (``g``: its row of 8, ``t``: its pair of columns).
+MMA_PREAMBLE = """
+n_hq, n_q, d = q.shape[1], q.shape[2], q.shape[3]
+n_hkv, dv = k.shape[1], v.shape[3]
+tid = int64(cuda.threadIdx.x)
+lane = tid % 32
+g = lane // 4
+t = lane % 4
+""".strip().splitlines()
+
+
 def pad16(n):
     return max(16, -(-n // 16) * 16)
 
@@ -93,15 +105,10 @@ def usable(q, k, v, device_cc):
 
 TEMPLATE = """
 def forward_mma(q, k, v, scale2, left, right, kv_lens, softcap2, slopes2, out, lse):
-    n_hq, n_q, d = q.shape[1], q.shape[2], q.shape[3]
-    n_hkv, dv = k.shape[1], v.shape[3]
+    @preamble
     # Q block [row][dim] (row LDQ) at 0, K tile [key][dim] (row LDK) at K_AT, V tile (row LDV)
     # at V_AT
     sm = cuda.shared.array(SIZE, float32, alignment=16)
-    tid = int64(cuda.threadIdx.x)
-    lane = tid % 32
-    g = lane // 4
-    t = lane % 4
     @block
     r_lo = q0 + (tid // 32) * 16 + g  # this thread's two rows
     r_hi = r_lo + 8
@@ -269,7 +276,8 @@ def make_forward(d_pad, dv_pad, mods):
     store = store_lines(NVD)
     source = expand(
         TEMPLATE,
-        block=FORWARD_BLOCK, load_q=q_block_lines("sm[({r} * LDQ + {c}) & ANY] = {x}"),
+        preamble=MMA_PREAMBLE, block=FORWARD_BLOCK,
+        load_q=q_block_lines("sm[({r} * LDQ + {c}) & ANY] = {x}"),
         band=band_lines(),
         init=["m_lo = NEG_INF", "m_hi = NEG_INF", "l_lo = ZERO", "l_hi = ZERO"]
         + rep("o{nd}_{c} = ZERO", nd=NVD, c=4),
