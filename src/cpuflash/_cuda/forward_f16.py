@@ -39,21 +39,19 @@ import math
 import numpy as np
 from numba import float32, int32, int64
 
-from .codegen import build, expand, rep
-from .forward_mma import MMA_PREAMBLE, copy_tile, pad16, softmax_lines, store_lines, takes
+from .codegen import build, rep
+from .forward_mma import copy_tile, kernel_source, pad16, softmax_lines, store_lines, takes
 from .launch import compiled
 from .mma import copy_async16, copy_commit, copy_wait, copy_wait_all, ldmatrix_x4
 from .mma import ldmatrix_x4_trans, mma_f16, pack_f16
 from .runtime import load
 from .tiles import (
     FORWARD_ARGS,
-    FORWARD_BLOCK,
     FULL_MASK,
     LN2,
     NEG_INF,
     ONE,
     ZERO,
-    band_lines,
     index_mask,
     option_args,
     score_lines,
@@ -83,49 +81,6 @@ def usable(q, k, v, device_cc):
     """Whether this kernel takes the call (``forward_mma.takes``): float16, head dims up to
     ``MAX_HEAD_DIM`` in multiples of 8."""
     return takes(q, k, v, device_cc, np.float16, MAX_HEAD_DIM, 8)
-
-
-TEMPLATE = """
-def forward_f16(q, k, v, scale2, left, right, kv_lens, softcap2, slopes2, out, lse):
-    @preamble
-    # K tile [key][LDK words] at 0, V tile [key][LDV words] at V_AT, Q block [row][LDQ words]
-    # at Q_AT (when in shared memory); a word holds two halves
-    sm = cuda.shared.array(SIZE, int32, alignment=16)
-    @block
-    @rows
-    @load_q
-    @band
-    @init
-    k_frag = (g * LDK + t) & ANY  # K[g][2t:2t+2] of a k-step, n-tile 0
-    # ldmatrix: lane l gives row l % 8 of 8 x 8 block l // 8 (keys +0/+8, dims +0/+8)
-    v_frag = (V_AT + ((lane // 8) % 2 * 8 + lane % 8) * LDV + (lane // 16) * 4) & ALIGN4
-    if kb_lo < kb_hi:
-        @copy_first_k
-    copy_commit()
-    for kb in range(kb_lo, kb_hi):
-        k0 = kb * BN
-        @copy_v
-        copy_commit()
-        copy_wait()  # this tile's K is in (its V may still be on its way)
-        cuda.syncthreads()
-        @zero_s
-        @s_mma
-        cuda.syncthreads()  # K reads done: the next tile's K may land
-        if kb + 1 < kb_hi:
-            @copy_next_k
-        copy_commit()
-        @to_base2
-        edge = k0 < first_hi or k0 + BN - 1 > last_lo  # the tile crosses the band's edge
-        @scores
-        @softmax
-        @rescale
-        copy_wait()  # this tile's V is in
-        cuda.syncthreads()
-        @pv
-        cuda.syncthreads()  # V reads done: the next tile's V may land
-    copy_wait_all()
-    @store
-"""
 
 
 def _tags(mt):
@@ -243,10 +198,16 @@ def make_forward(d_pad, dv_pad, mods):
         for i, tag in enumerate(tags):  # ldmatrix: lane l gives row l % 8 of block l // 8
             load_q += [f"q_frag{tag} = (Q_AT + (((tid // 32) * {MT} + {i}) * 16 + (lane // 8) % 2 "
                        f"* 8 + lane % 8) * LDQ + (lane // 16) * 4) & ALIGN4"]
-    source = expand(
-        TEMPLATE,
-        preamble=MMA_PREAMBLE, block=FORWARD_BLOCK, rows=rows, load_q=load_q, band=band_lines(),
-        init=init,
+    source = kernel_source(
+        "forward_f16",
+        shared=["# K tile [key][LDK words] at 0, V tile [key][LDV words] at V_AT, Q block [row]"
+                "[LDQ words]", "# at Q_AT (when in shared memory); a word holds two halves",
+                "sm = cuda.shared.array(SIZE, int32, alignment=16)"],
+        fragments=["k_frag = (g * LDK + t) & ANY  # K[g][2t:2t+2] of a k-step, n-tile 0",
+                   "# ldmatrix: lane l gives row l % 8 of 8 x 8 block l // 8 (keys +0/+8, dims "
+                   "+0/+8)", "v_frag = (V_AT + ((lane // 8) % 2 * 8 + lane % 8) * LDV + "
+                   "(lane // 16) * 4) & ALIGN4"],
+        rows=rows, load_q=load_q, init=init,
         copy_first_k=copy_tile("0", "kh", "d", DK, "LDK", "kb_lo * BN", 8, BN, NT, True),
         copy_next_k=copy_tile("0", "kh", "d", DK, "LDK", "k0 + BN", 8, BN, NT, True),
         copy_v=copy_tile("V_AT", "vh", "dv", DV, "LDV", "k0", 8, BN, NT, True),

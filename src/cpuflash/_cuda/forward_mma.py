@@ -103,21 +103,19 @@ def usable(q, k, v, device_cc):
     return takes(q, k, v, device_cc, np.float32, MAX_HEAD_DIM, 4)
 
 
+# Both tensor-core kernels: ``kernel_source`` fills in the blocks (``@name``) of the kernel
+# ``KERNEL``. The pipeline: K tile 0 in flight before the loop; per key tile, V in flight
+# during S = Q K^T and the next K during the softmax and P V.
 TEMPLATE = """
-def forward_mma(q, k, v, scale2, left, right, kv_lens, softcap2, slopes2, out, lse):
+def KERNEL(q, k, v, scale2, left, right, kv_lens, softcap2, slopes2, out, lse):
     @preamble
-    # Q block [row][dim] (row LDQ) at 0, K tile [key][dim] (row LDK) at K_AT, V tile (row LDV)
-    # at V_AT
-    sm = cuda.shared.array(SIZE, float32, alignment=16)
+    @shared
     @block
-    r_lo = q0 + (tid // 32) * 16 + g  # this thread's two rows
-    r_hi = r_lo + 8
+    @rows
     @load_q
     @band
     @init
-    q_frag = ((tid // 32) * 16 * LDQ + g * LDQ + 2 * t) & ALIGN2  # A operands of S = Q K^T
-    k_frag = (K_AT + g * LDK + 2 * t) & ALIGN2  # B operands
-    v_frag = V_AT + 2 * t * LDV + g             # and of P V
+    @fragments
     if kb_lo < kb_hi:
         @copy_first_k
     copy_commit()
@@ -133,9 +131,11 @@ def forward_mma(q, k, v, scale2, left, right, kv_lens, softcap2, slopes2, out, l
         if kb + 1 < kb_hi:
             @copy_next_k
         copy_commit()
+        @to_base2
         edge = k0 < first_hi or k0 + BN - 1 > last_lo  # the tile crosses the band's edge
         @scores
         @softmax
+        @rescale
         copy_wait()  # this tile's V is in
         cuda.syncthreads()
         @pv
@@ -143,6 +143,15 @@ def forward_mma(q, k, v, scale2, left, right, kv_lens, softcap2, slopes2, out, l
     copy_wait_all()
     @store
 """
+
+
+def kernel_source(name, **blocks):
+    """The source of the tensor-core kernel ``name``: ``TEMPLATE`` with the shared blocks
+    (shapes and lanes, block coordinates, band) and ``blocks``; ``to_base2`` and ``rescale``
+    may be left out."""
+    blocks = dict({"to_base2": [], "rescale": []}, **blocks)
+    return expand(TEMPLATE.replace("KERNEL", name), preamble=MMA_PREAMBLE, block=FORWARD_BLOCK,
+                  band=band_lines(), **blocks)
 
 
 def copy_tile(at, src, width, pad, ld, first, per_piece=4, keys=BN, threads=NT,
@@ -274,11 +283,15 @@ def make_forward(d_pad, dv_pad, mods):
         pv += [f"o{nd}_{c} = o{nd}_{c} * alpha_{'lo' if c < 2 else 'hi'} + t{c}"
                for c in range(4)]
     store = store_lines(NVD)
-    source = expand(
-        TEMPLATE,
-        preamble=MMA_PREAMBLE, block=FORWARD_BLOCK,
+    source = kernel_source(
+        "forward_mma",
+        shared=["# Q block [row][dim] (row LDQ) at 0, K tile [key][dim] (row LDK) at K_AT, V tile "
+                "(row LDV)", "# at V_AT", "sm = cuda.shared.array(SIZE, float32, alignment=16)"],
+        rows=["r_lo = q0 + (tid // 32) * 16 + g  # this thread's two rows", "r_hi = r_lo + 8"],
+        fragments=["q_frag = ((tid // 32) * 16 * LDQ + g * LDQ + 2 * t) & ALIGN2  # A operands "
+                   "of S = Q K^T", "k_frag = (K_AT + g * LDK + 2 * t) & ALIGN2  # B operands",
+                   "v_frag = V_AT + 2 * t * LDV + g             # and of P V"],
         load_q=q_block_lines("sm[({r} * LDQ + {c}) & ANY] = {x}"),
-        band=band_lines(),
         init=["m_lo = NEG_INF", "m_hi = NEG_INF", "l_lo = ZERO", "l_hi = ZERO"]
         + rep("o{nd}_{c} = ZERO", nd=NVD, c=4),
         copy_first_k=copy_tile("K_AT", "kh", "d", DK, "LDK", "kb_lo * BN"),
