@@ -1,7 +1,7 @@
 """GPU benchmark: cpuflash's numba.cuda kernels against torch SDPA on the same GPU.
 
     python bench/cuda_bench.py [--n 1024,4096,16384] [--d 64,128] [--dtype float32,float16]
-                               [--section fwd,fwdbwd] [--memory] [--json PATH]
+                               [--section fwd,fwdbwd] [--calls 1] [--memory] [--json PATH]
 
 B=4, H=16 by default. TFLOP/s count 4*B*H*N^2*D for the forward pass and 3.5x that for
 forward+backward, halved for causal (useful work only). Times: CUDA events, median of
@@ -21,17 +21,21 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import cpuflash
 
 
-def timed(fn, reps):
+def timed(fn, reps, calls=1):
+    """Median seconds per call: ``calls`` calls in a row between two CUDA events, ``reps``
+    times. With one call the host's time of the call counts whenever the GPU waits for it;
+    with several the host runs ahead, as in a model's loop."""
     fn()  # warm-up: compiles on the first call
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(calls):
+            fn()
         end.record()
         torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
+        times.append(start.elapsed_time(end) / 1e3 / calls)
     return float(np.median(times))
 
 
@@ -39,7 +43,7 @@ def backend(dtype):
     return SDPBackend.EFFICIENT_ATTENTION if dtype == torch.float32 else SDPBackend.FLASH_ATTENTION
 
 
-def run_case(b, h, n, d, causal, dtype, section, reps):
+def run_case(b, h, n, d, causal, dtype, section, reps, calls=1):
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, dout = (torch.randn(b, h, n, d, device="cuda", dtype=dtype, generator=gen)
                      for _ in range(4))
@@ -49,7 +53,7 @@ def run_case(b, h, n, d, causal, dtype, section, reps):
     out = cpuflash.attention(q, k, v, causal=causal)
     err = (out.float() - ref.float()).abs().max().item()
     if section == "fwd":
-        ours = timed(lambda: cpuflash.attention(q, k, v, causal=causal), reps)
+        ours = timed(lambda: cpuflash.attention(q, k, v, causal=causal), reps, calls)
 
         def theirs():
             with sdpa_kernel(backend(dtype)):
@@ -58,14 +62,14 @@ def run_case(b, h, n, d, causal, dtype, section, reps):
         def ours_fn():
             o, lse = cpuflash.attention(q, k, v, causal=causal, return_lse=True)
             cpuflash.attention_backward(dout, q, k, v, o, lse, causal=causal)
-        ours = timed(ours_fn, reps)
+        ours = timed(ours_fn, reps, calls)
         qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
 
         def theirs():
             with sdpa_kernel(backend(dtype)):
                 o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
             o.backward(dout)
-    t_torch = timed(theirs, reps)
+    t_torch = timed(theirs, reps, calls)
     return {"B": b, "H": h, "N": n, "D": d, "causal": causal, "dtype": str(dtype).split(".")[-1],
                 "section": section, "ms": ours * 1e3, "tflops": flops / ours / 1e12,
                 "torch_ms": t_torch * 1e3, "torch_tflops": flops / t_torch / 1e12,
@@ -99,11 +103,13 @@ def main():
     p.add_argument("--causal", default="0,1")
     p.add_argument("--section", default="fwd,fwdbwd")
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--calls", type=int, default=1, help="calls in a row between the events")
     p.add_argument("--memory", action="store_true")
     p.add_argument("--json")
     a = p.parse_args()
     rows = []
-    print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+          f"{a.calls} call(s) between events")
     print("| section | dtype | N | D | causal | ms | TFLOP/s | torch ms | torch TFLOP/s | x torch "
           "| max err vs torch |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -114,7 +120,7 @@ def main():
                     for n in map(int, a.n.split(",")):
                         t0 = time.time()
                         r = run_case(a.b, a.h, n, d, causal, getattr(torch, dt), section,
-                                     a.reps if n < 16384 else max(2, a.reps // 2))
+                                     a.reps if n < 16384 else max(2, a.reps // 2), a.calls)
                         rows.append(r)
                         print(f"| {section} | {r['dtype']} | {n} | {d} | "
                               f"{'yes' if causal else 'no'} | {r['ms']:.2f} | "

@@ -268,12 +268,14 @@ def test_generated_sources_are_content_addressed_files(tmp_path, monkeypatch):
 
 @pytest.mark.skipif(SIMULATED, reason="the tensor-core kernel runs on a real GPU only")
 @pytest.mark.parametrize("shape", [(1, 2, 1, 77, 130, 64, 64), (2, 4, 2, 130, 257, 64, 64),
-                                   (1, 2, 2, 100, 90, 40, 40), (1, 1, 1, 3, 5, 8, 16)], ids=str)
+                                   (1, 2, 2, 100, 90, 40, 40), (1, 1, 1, 3, 5, 8, 16),
+                                   (1, 2, 1, 150, 260, 128, 128), (1, 2, 2, 70, 90, 100, 124)],
+                         ids=str)
 @pytest.mark.parametrize("opt", [{}, {"causal": True}, {"window": (20, 5)},
                                  {"kv_lens": True, "causal": True},
                                  {"causal": True, "softcap": 1.5, "alibi": True}], ids=str)
 def test_tensor_core_kernel(shape, opt, monkeypatch):
-    """The 3xTF32 kernel (``forward_mma``) takes float32 calls with head dims up to 64, and is
+    """The 3xTF32 kernel (``forward_mma``) takes float32 calls with head dims up to 128, and is
     as close to the float64 reference as the SIMT kernel it replaces there."""
     from cpuflash._cuda import arrays, forward
     opts = _opts(opt, shape)

@@ -88,16 +88,20 @@ def test_tile_elements_cover_the_tile_once(pad, threads, keys):
     assert sorted(seen) == [(j, c) for j in range(keys) for c in range(pad)]
 
 
-@pytest.mark.parametrize("mods", [True], ids=["softcap+alibi"])
-def test_ptx_tensor_cores(mods, tmp_path):
-    """The tensor-core forward kernel (inline PTX mma.sync and cp.async) through NVVM and
-    ptxas for sm_90, with nothing spilled."""
+@pytest.mark.parametrize("d", [64, 128])
+def test_ptx_tensor_cores(d, tmp_path):
+    """The 3xTF32 tensor-core forward kernel (inline PTX mma.sync and cp.async) through NVVM
+    and ptxas for sm_90, with nothing spilled: three MMAs per 16 x 8 x 8 piece of ``Q K^T``
+    and of ``P V`` per key tile; past D = 64 its shared memory is sized at launch."""
     from cpuflash._cuda import forward_mma
-    fn = forward_mma.make_forward(64, 64, mods)[0]
+    fn, _, _, dynamic_bytes = forward_mma.make_forward(d, d, True)
     ptx = cuda.compile_ptx(fn, tiles.signature(np.float32, tiles.FORWARD_ARGS), cc=(9, 0))[0]
     _check(ptx)
-    assert ptx.count("mma.sync.aligned.m16n8k8") == 2 * 3 * (64 // 8) * (32 // 8)
+    _, m_tiles, keys = forward_mma.SHAPES[d]
+    assert ptx.count("mma.sync.aligned.m16n8k8") == 3 * m_tiles * (d // 8) * (keys // 8) * 2
     assert "cp.async.cg.shared.global" in ptx
+    assert (dynamic_bytes > 48 * 1024) == (d > 64)
+    assert (".extern .shared" in ptx) == (d > 64)
     _check_spills(ptx, tmp_path)
 
 
@@ -153,7 +157,7 @@ def _gpu_array(shape, dtype, ptr, strides):
 
 
 def test_tensor_core_kernel_takes_only_what_it_can():
-    """``forward_mma.usable``: float32 on sm_80+, head dims up to 64 in multiples of 4, K and
+    """``forward_mma.usable``: float32 on sm_80+, head dims up to 128 in multiples of 4, K and
     V rows unit-stride and 16-byte aligned (cp.async moves 16-byte pieces); else forward.py."""
     from cpuflash._cuda.forward_mma import usable
 
@@ -166,7 +170,9 @@ def test_tensor_core_kernel_takes_only_what_it_can():
     assert not usable(arr(dtype=np.float16), arr(dtype=np.float16), arr(dtype=np.float16), (9, 0))
     assert not usable(q, arr(), arr(dtype=np.float16), (9, 0))
     wide = arr((1, 2, 64, 128))
-    assert not usable(wide, wide, wide, (9, 0))
+    assert usable(wide, wide, wide, (9, 0))
+    wider = arr((1, 2, 64, 132))
+    assert not usable(wider, wider, wider, (9, 0))
     odd = arr((1, 2, 64, 42))
     assert not usable(odd, odd, odd, (9, 0))
     assert not usable(q, arr(ptr=4100), arr(), (9, 0))  # K not 16-byte aligned

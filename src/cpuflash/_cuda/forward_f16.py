@@ -40,7 +40,8 @@ import numpy as np
 from numba import float32, int32, int64
 
 from .codegen import build, rep
-from .forward_mma import copy_tile, kernel_source, pad16, softmax_lines, store_lines, takes
+from .forward_mma import copy_tile, kernel_source, mtile_tags, pad16, softmax_lines, store_lines
+from .forward_mma import takes
 from .launch import compiled
 from .mma import copy_async16, copy_commit, copy_wait, copy_wait_all, ldmatrix_x4
 from .mma import ldmatrix_x4_trans, mma_f16, pack_f16
@@ -83,11 +84,6 @@ def usable(q, k, v, device_cc):
     return takes(q, k, v, device_cc, np.float16, MAX_HEAD_DIM, 8)
 
 
-def _tags(mt):
-    """Name tags of a warp's ``mt`` m-tiles (16 rows each): "" for one, else "a", "b", ..."""
-    return [""] if mt == 1 else [chr(ord("a") + i) for i in range(mt)]
-
-
 def _load_q(nks, tag):
     """Lines: this thread's A fragments of Q for each k-step ``ks`` (dims ``16 ks ..``) of the
     m-tile ``tag``, ``qa{tag}{ks}_{i}``, from global memory as they are; dims past ``d`` as 0
@@ -128,7 +124,7 @@ def make_forward(d_pad, dv_pad, mods):
     assert DK % 16 == 0 and DV % 16 == 0 and max(DK, DV) <= MAX_HEAD_DIM, (DK, DV)
     warps, MT, BN, Q_SHARED = SHAPES[max(DK, DV)]
     BM, NT = 16 * MT * warps, 32 * warps  # query rows, threads
-    tags = _tags(MT)
+    tags = mtile_tags(MT)
     NKS, NJ, NKV, NVD = DK // 16, BN // 8, BN // 16, DV // 8
     # Row strides in words: rows 16-byte aligned (for cp.async and ldmatrix), and a multiple
     # of 4 words plus 4 (mod 32), so that 8 rows of a quad's 32-bit K loads, or of an

@@ -2,15 +2,16 @@
 (``S = Q K^T`` and ``P V``) as warp-wide ``mma.sync`` in 3xTF32 (``mma.py``: float32-class
 accuracy from three TF32 MMAs per product), as torch's own float32 kernel does.
 
-One block of 4 warps per (query block of 64 rows, batch * head); warp ``w`` owns rows
-``16 w .. 16 w + 15`` of the block, and a thread holds, in the MMA's accumulator layout, two
-rows (``g`` and ``g + 8``, ``g = lane // 4``) of S and of the output:
+One block of warps per (query block, batch * head); each warp owns whole m-tiles of 16 rows
+(two at head dims up to 64, one up to 128: ``SHAPES``), and a thread holds, in the MMA's
+accumulator layout, two rows (``g`` and ``g + 8``, ``g = lane // 4``) of each m-tile's S and
+output:
 
     Q block -> shared memory, scaled by scale * log2(e)
     K tile 0 -> shared memory (cp.async: no registers hold it on the way)
-    for each key tile the block can see (32 keys):
+    for each key tile the block can see (16 keys):
         start V tile -> shared memory
-        S   = Q K^T                     # per warp 4 n-tiles x D/8 k-steps x 3 MMAs
+        S   = Q K^T                     # per m-tile 2 n-tiles x D/8 k-steps x 3 MMAs
         start the next K tile -> shared memory
         softcap / ALiBi / band mask; online softmax per row (4 lanes share a row: 2 shuffles)
         acc = alpha * acc + P V         # P straight from S's registers (see below)
@@ -26,8 +27,10 @@ neighbouring floats: one 8-byte load. Shared rows are padded (``make_forward``) 
 loads of a warp hit every bank once.
 
 Keys no row of the block sees are zero-filled (``copy_async16``), as ``forward.py`` loads
-them as zeros. Used for float32 with head dims up to 64 on a GPU of compute capability 8.0 or
-newer (``usable``); everything else, and the simulator, runs ``forward.py``.
+them as zeros. At head dims past 64 the tiles pass the static 48 KiB of shared memory and are
+sized at launch (52 KiB at 128; every GPU of compute capability 8.0 or newer takes 99 KiB or
+more). Used for float32 with head dims up to 128 on such a GPU (``usable``); everything else,
+and the simulator, runs ``forward.py``.
 """
 import functools
 import math
@@ -52,17 +55,32 @@ from .tiles import (
     option_args,
     q_block_lines,
     score_lines,
-    shared_size,
+    SHARED_FLOATS,
     shfl_xor_sync,
     signature,
 )
 
 cuda = load()
 
-BM, BN, NT = 64, 32, 128  # query rows, keys per tile, threads (4 warps of 16 rows)
-# Wider heads take forward.py: at D = 128 this design (O in 64 registers a thread, 69 KiB of
-# dynamic shared memory) measured 0.48-0.52x torch on the H200, below the SIMT kernel's 0.6x.
-MAX_HEAD_DIM = 64
+MAX_HEAD_DIM = 128  # the output of 16 rows x 128 dims is 64 registers a thread
+# By the widest padded head dim: (warps per block, m-tiles of 16 query rows per warp, keys per
+# tile). Two m-tiles per warp split each K and V fragment into TF32 parts once for both, and
+# 16-key tiles keep the two m-tiles' S, P and output in 254 registers without spills (ptxas,
+# sm_90). Measured on the H200 against torch's efficient kernel, float32, not causal, B=4,
+# H=16, N=4096 / 16384 (log bench/results/h200_forward_mma_shapes.txt): at D=64, (4, 2, 16)
+# 1.10 / 1.24x; (4, 1, 32), stop 16's shape, 0.98 / 1.16x; (4, 1, 16) 0.87 / 1.02x (166
+# registers, 3 blocks a multiprocessor); (8, 1, 16) 0.79 / 0.85x. At D=128, (4, 1, 16) and
+# (8, 1, 16) 0.68-0.74x; (4, 1, 32) 0.60-0.65x (188 bytes spilled); (2, 1, 16) 0.61x; the
+# SIMT kernel 0.62-0.65x. Capping registers for more blocks a multiprocessor (launch bounds:
+# 168 or 128 registers) spilled and lost 5-25 % at both widths; so did keeping Q, K and V in
+# shared memory already split (fewer conversions, twice the loads: 0.63-0.72x).
+SHAPES = {16: (4, 2, 16), 32: (4, 2, 16), 48: (4, 2, 16), 64: (4, 2, 16), 80: (4, 1, 16),
+          96: (4, 1, 16), 112: (4, 1, 16), 128: (4, 1, 16)}
+
+
+def mtile_tags(mt):
+    """Name tags of a warp's ``mt`` m-tiles (16 rows each): "" for one, else "a", "b", ..."""
+    return [""] if mt == 1 else [chr(ord("a") + i) for i in range(mt)]
 
 
 # The first lines of both tensor-core kernels: the shapes, and a thread's place in its warp in
@@ -99,7 +117,7 @@ def takes(q, k, v, device_cc, dtype, max_head_dim, multiple):
 
 def usable(q, k, v, device_cc):
     """Whether this kernel takes the call (``takes``): float32, head dims up to
-    ``MAX_HEAD_DIM`` in multiples of 4."""
+    ``MAX_HEAD_DIM`` (128) in multiples of 4."""
     return takes(q, k, v, device_cc, np.float32, MAX_HEAD_DIM, 4)
 
 
@@ -154,8 +172,20 @@ def kernel_source(name, **blocks):
                   band=band_lines(), **blocks)
 
 
-def copy_tile(at, src, width, pad, ld, first, per_piece=4, keys=BN, threads=NT,
-              affine=False):
+def _pieces(keys, per_row, threads, affine):
+    """This thread's 16-byte pieces of a tile of ``keys`` rows of ``per_row`` pieces (threads
+    take them in turn): ``(guard, row, piece)`` source texts, ``guard`` a condition or None.
+    ``affine``: as ``copy_tile``."""
+    for u in range(-(-keys * per_row // threads)):
+        e = f"(tid + {u * threads})"
+        j, p = f"({e} // {per_row})", f"({e} % {per_row})"
+        if affine and threads % per_row == 0:  # the same piece of a row u * rows further on
+            j, p = f"(tid // {per_row} + {u * threads // per_row})", f"(tid % {per_row})"
+        guard = None if keys * per_row % threads == 0 else f"{e} < {keys * per_row}"
+        yield guard, j, p
+
+
+def copy_tile(at, src, width, pad, ld, first, per_piece, keys, threads, affine=False):
     """Lines: this thread's 16-byte pieces of the ``keys x pad`` tile of rows ``first ..`` of
     ``src`` into shared ``sm`` from word ``at`` (row stride ``ld`` 4-byte words), by
     ``copy_async16``; a piece is ``per_piece`` elements of ``src`` (4 float32, 8 float16) and 4
@@ -163,20 +193,14 @@ def copy_tile(at, src, width, pad, ld, first, per_piece=4, keys=BN, threads=NT,
     multiple of ``per_piece``) are zero-filled. ``affine``: a thread's pieces written as one
     row and column plus constant row offsets (when the threads cover whole rows), so that its
     addresses differ by constants and need no register each."""
-    per_row = pad // per_piece
     lines = []
-    for u in range(-(-keys * per_row // threads)):
-        e = f"(tid + {u * threads})"
-        j, p = f"({e} // {per_row})", f"({e} % {per_row})"
-        if affine and threads % per_row == 0:  # the same piece of a row u * rows further on
-            j, p = f"(tid // {per_row} + {u * threads // per_row})", f"(tid % {per_row})"
+    for guard, j, p in _pieces(keys, pad // per_piece, threads, affine):
         c = f"{per_piece} * {p}"
         ok = f"(lo <= {first} + {j}) & ({first} + {j} <= hi) & ({c} < {width})"
-        guard = [] if keys * per_row % threads == 0 else [f"if {e} < {keys * per_row}:"]
         body = (f"copy_async16(sm, ({at} + {j} * {ld} + 4 * {p}) & ALIGN4, {src}, "
                 f"min(max({first} + {j}, lo), hi) & ANY, min({c}, {width} - {per_piece}) & ANY, "
                 f"16 if {ok} else 0)")
-        lines += guard + [("    " if guard else "") + body]
+        lines += [f"if {guard}:", "    " + body] if guard else [body]
     return lines
 
 
@@ -229,76 +253,106 @@ def store_lines(nvd, mt=""):
 @functools.cache
 def make_forward(d_pad, dv_pad, mods):
     """The tensor-core forward kernel for float32 head dims up to ``d_pad``/``dv_pad``
-    (multiples of 16, at most ``MAX_HEAD_DIM``) and ``mods`` (softcap or ALiBi on)."""
+    (multiples of 16, at most ``MAX_HEAD_DIM``) and ``mods`` (softcap or ALiBi on): the
+    kernel, its threads, its query rows and its bytes of dynamic shared memory."""
     DK, DV = d_pad, dv_pad
     assert DK % 16 == 0 and DV % 16 == 0 and max(DK, DV) <= MAX_HEAD_DIM, (DK, DV)
+    warps, MT, BN = SHAPES[max(DK, DV)]
+    BM, NT = 16 * MT * warps, 32 * warps  # query rows, threads
+    tags = mtile_tags(MT)
     NKS, NJ, NVD = DK // 8, BN // 8, DV // 8  # k-steps of S, n-tiles of S, n-tiles of out
     # Row strides (floats), for conflict-free fragment loads: a half warp's 8-byte K loads
     # (rows g, dims 2t) need LDK = 8 (mod 32) words; a warp's V loads (rows 2t, dims g),
     # LDV = 4 (mod 16)
     LDQ, LDK, LDV = DK + 8, DK + 8, DV + 4
     K_AT, V_AT = BM * LDQ, BM * LDQ + BN * LDK  # multiples of 4: 16-byte aligned
-    SIZE = shared_size(V_AT + BN * LDV)
+    SIZE = V_AT + BN * LDV
+    dynamic = SIZE > SHARED_FLOATS  # past the static 48 KiB: sized at launch
+    # warp w owns m-tiles w * MT .. w * MT + MT - 1 of 16 rows; a thread rows g and g + 8 of each
+    rows = []
+    for i, tag in enumerate(tags):
+        rows += [f"r{tag}_lo = q0 + ((tid // 32) * {MT} + {i}) * 16 + g",
+                 f"r{tag}_hi = r{tag}_lo + 8"]
     # S = Q K^T, per k-step ks (dims 8ks..8ks+7): A = Q[g, 8ks + 2t], Q[g + 8, 8ks + 2t],
     # Q[g, 8ks + 2t + 1], Q[g + 8, 8ks + 2t + 1] (the MMA's k = t is dim 2t, k = t + 4 is dim
     # 2t + 1), two 8-byte loads; per n-tile j (keys 8j..8j+7) B = K[8j + g, 8ks + 2t] and
-    # K[8j + g, 8ks + 2t + 1], one. Each split into TF32 parts in registers.
+    # K[8j + g, 8ks + 2t + 1], one. Each split into TF32 parts in registers, a K fragment once
+    # for all the warp's m-tiles. Each accumulator takes its three MMAs in the order small
+    # terms first; between them the MMAs of the other n-tiles and m-tiles, which do not wait.
     s_mma = []
     for ks in range(NKS):
-        at = f"q_frag + {8 * ks}"
-        s_mma += [f"x0 = sm[{at}]", f"x2 = sm[{at} + 1]",
-                  f"x1 = sm[{at} + {8 * LDQ}]", f"x3 = sm[{at} + {8 * LDQ + 1}]"]
-        s_mma += join(*(_split(f"x{i}", f"qb_{i}", f"ql_{i}") for i in range(4)))
+        for i, tag in enumerate(tags):
+            at = f"q_frag + {16 * i * LDQ + 8 * ks}"
+            s_mma += [f"x0 = sm[{at}]", f"x2 = sm[{at} + 1]",
+                      f"x1 = sm[{at} + {8 * LDQ}]", f"x3 = sm[{at} + {8 * LDQ + 1}]"]
+            s_mma += join(*(_split(f"x{c}", f"qb{tag}_{c}", f"ql{tag}_{c}") for c in range(4)))
         for j in range(NJ):
             at = f"k_frag + {8 * j * LDK + 8 * ks}"
             s_mma += [f"y0 = sm[{at}]", f"y1 = sm[{at} + 1]"]
-            s_mma += _split("y0", "kb0", "kl0") + _split("y1", "kb1", "kl1")
-            acc = f"s{j}_0, s{j}_1, s{j}_2, s{j}_3"
-            for a, bb in (("ql", "b"), ("qb", "l"), ("qb", "b")):
-                s_mma += [f"{acc} = mma_tf32({a}_0, {a}_1, {a}_2, {a}_3, k{bb}0, k{bb}1, {acc})"]
-    # scores: the key of s{j}_{c} is k0 + 8j + 2t + (c & 1), its row r_lo (c < 2) or r_hi
-    elements = [(f"s{j}_{c}", "r_lo" if c < 2 else "r_hi", f"k0 + {8 * j + (c & 1)} + 2 * t",
-                 0 if c < 2 else 1) for j in range(NJ) for c in range(4)]
-    scores = score_lines(elements, [(0, "r_lo"), (1, "r_hi")], mods)  # first0, last0, ...
-    softmax = softmax_lines(NJ)
+            s_mma += _split("y0", f"kb{j}_0", f"kl{j}_0") + _split("y1", f"kb{j}_1", f"kl{j}_1")
+        for a, bb in (("ql", "b"), ("qb", "l"), ("qb", "b")):
+            for tag in tags:
+                qa = ", ".join(f"{a}{tag}_{c}" for c in range(4))
+                for j in range(NJ):
+                    acc = ", ".join(f"s{tag}{j}_{c}" for c in range(4))
+                    s_mma += [f"{acc} = mma_tf32({qa}, k{bb}{j}_0, k{bb}{j}_1, {acc})"]
+    # scores: the key of s{tag}{j}_{c} is k0 + 8j + 2t + (c & 1), its row r{tag}_lo (c < 2) or
+    # r{tag}_hi
+    elements, row_tags, softmax = [], [], []
+    for i, tag in enumerate(tags):
+        elements += [(f"s{tag}{j}_{c}", f"r{tag}_lo" if c < 2 else f"r{tag}_hi",
+                      f"k0 + {8 * j + (c & 1)} + 2 * t", 2 * i + (c >= 2))
+                     for j in range(NJ) for c in range(4)]
+        row_tags += [(2 * i, f"r{tag}_lo"), (2 * i + 1, f"r{tag}_hi")]
+        softmax += softmax_lines(NJ, tag)
     # P V: per k-step kk (keys 8kk..8kk+7 = S's n-tile kk) A = (s0, s2, s1, s3) of that
-    # n-tile; per n-tile nd (dims 8nd..8nd+7) B = V[8kk + 2t, 8nd + g], V[8kk + 2t + 1, 8nd + g].
+    # n-tile; per n-tile nd (dims 8nd..8nd+7) B = V[8kk + 2t, 8nd + g], V[8kk + 2t + 1, 8nd + g],
+    # split once for all the warp's m-tiles.
     # Each n-tile's P V of the tile is summed in the MMAs from zero and joins the output by a
     # float32 FMA: the tensor cores' own accumulation truncates, and summed across thousands of
     # tiles in them the output drifted (measured at N=16384: 1.6e-5 against torch, whose
-    # 3xTF32 kernel stages its sums too; 3e-7 so). n-tiles outermost: 4 staging registers.
+    # 3xTF32 kernel stages its sums too; 3e-7 so). n-tiles outermost: 4 staging registers an
+    # m-tile.
     pv = []
-    for kk in range(NJ):
-        for i, c in enumerate((0, 2, 1, 3)):
-            pv += _split(f"s{kk}_{c}", f"pb{kk}_{i}", f"pl{kk}_{i}")
+    for tag in tags:
+        for kk in range(NJ):
+            for i, c in enumerate((0, 2, 1, 3)):
+                pv += _split(f"s{tag}{kk}_{c}", f"pb{tag}{kk}_{i}", f"pl{tag}{kk}_{i}")
     for nd in range(NVD):
-        pv += rep("t{c} = ZERO", c=4)
+        pv += [f"t{tag}_{c} = ZERO" for tag in tags for c in range(4)]
         for kk in range(NJ):
             at = f"v_frag + {8 * kk * LDV + 8 * nd}"
             pv += [f"y0 = sm[{at}]", f"y1 = sm[{at} + LDV]"]
             pv += _split("y0", "vb0", "vl0") + _split("y1", "vb1", "vl1")
-            for a, bb in ((f"pl{kk}", "b"), (f"pb{kk}", "l"), (f"pb{kk}", "b")):
-                pv += [f"t0, t1, t2, t3 = mma_tf32({a}_0, {a}_1, {a}_2, {a}_3, "
-                       f"v{bb}0, v{bb}1, t0, t1, t2, t3)"]
-        pv += [f"o{nd}_{c} = o{nd}_{c} * alpha_{'lo' if c < 2 else 'hi'} + t{c}"
-               for c in range(4)]
-    store = store_lines(NVD)
+            for a, bb in (("pl", "b"), ("pb", "l"), ("pb", "b")):
+                for tag in tags:
+                    pa = ", ".join(f"{a}{tag}{kk}_{i}" for i in range(4))
+                    acc = ", ".join(f"t{tag}_{c}" for c in range(4))
+                    pv += [f"{acc} = mma_tf32({pa}, v{bb}0, v{bb}1, {acc})"]
+        pv += [f"o{tag}{nd}_{c} = o{tag}{nd}_{c} * alpha{tag}_{'lo' if c < 2 else 'hi'} "
+               f"+ t{tag}_{c}" for tag in tags for c in range(4)]
+    init, store = [], []
+    for tag in tags:
+        init += [f"m{tag}_lo = NEG_INF", f"m{tag}_hi = NEG_INF", f"l{tag}_lo = ZERO",
+                 f"l{tag}_hi = ZERO"] + rep(f"o{tag}{{nd}}_{{c}} = ZERO", nd=NVD, c=4)
+        store += store_lines(NVD, tag)
     source = kernel_source(
         "forward_mma",
         shared=["# Q block [row][dim] (row LDQ) at 0, K tile [key][dim] (row LDK) at K_AT, V tile "
-                "(row LDV)", "# at V_AT", "sm = cuda.shared.array(SIZE, float32, alignment=16)"],
-        rows=["r_lo = q0 + (tid // 32) * 16 + g  # this thread's two rows", "r_hi = r_lo + 8"],
-        fragments=["q_frag = ((tid // 32) * 16 * LDQ + g * LDQ + 2 * t) & ALIGN2  # A operands "
-                   "of S = Q K^T", "k_frag = (K_AT + g * LDK + 2 * t) & ALIGN2  # B operands",
-                   "v_frag = V_AT + 2 * t * LDV + g             # and of P V"],
+                "(row LDV)", "# at V_AT", "sm = cuda.shared.array(%s, float32, alignment=16)"
+                % ("0" if dynamic else "SIZE")],
+        rows=rows,
+        fragments=[f"q_frag = ((tid // 32) * {16 * MT} * LDQ + g * LDQ + 2 * t) & ALIGN2  # A "
+                   "operands of S = Q K^T", "k_frag = (K_AT + g * LDK + 2 * t) & ALIGN2  # B "
+                   "operands", "v_frag = V_AT + 2 * t * LDV + g             # and of P V"],
         load_q=q_block_lines("sm[({r} * LDQ + {c}) & ANY] = {x}"),
-        init=["m_lo = NEG_INF", "m_hi = NEG_INF", "l_lo = ZERO", "l_hi = ZERO"]
-        + rep("o{nd}_{c} = ZERO", nd=NVD, c=4),
-        copy_first_k=copy_tile("K_AT", "kh", "d", DK, "LDK", "kb_lo * BN"),
-        copy_next_k=copy_tile("K_AT", "kh", "d", DK, "LDK", "k0 + BN"),
-        copy_v=copy_tile("V_AT", "vh", "dv", DV, "LDV", "k0"),
-        zero_s=rep("s{j}_{c} = ZERO", j=NJ, c=4), s_mma=s_mma, scores=scores,
-        softmax=softmax, pv=pv, store=store)
+        init=init,
+        copy_first_k=copy_tile("K_AT", "kh", "d", DK, "LDK", "kb_lo * BN", 4, BN, NT, True),
+        copy_next_k=copy_tile("K_AT", "kh", "d", DK, "LDK", "k0 + BN", 4, BN, NT, True),
+        copy_v=copy_tile("V_AT", "vh", "dv", DV, "LDV", "k0", 4, BN, NT, True),
+        zero_s=[f"s{tag}{j}_{c} = ZERO" for tag in tags for j in range(NJ) for c in range(4)],
+        s_mma=s_mma, scores=score_lines(elements, row_tags, mods), softmax=softmax, pv=pv,
+        store=store)
     names = {"cuda": cuda, "math": math, "shfl_xor_sync": shfl_xor_sync, "float32": float32,
              "int64": int64, "tf32": tf32, "mma_tf32": mma_tf32, "copy_async16": copy_async16,
              "copy_commit": copy_commit, "copy_wait": copy_wait, "copy_wait_all": copy_wait_all,
@@ -307,13 +361,14 @@ def make_forward(d_pad, dv_pad, mods):
              "K_AT": K_AT, "V_AT": V_AT, "SIZE": SIZE,
              "MODS": mods, "ANY": index_mask(1), "ALIGN2": index_mask(2),
              "ALIGN4": index_mask(4)}
-    return build(source, "forward_mma", names), NT, BM
+    return build(source, "forward_mma", names), NT, BM, 4 * SIZE if dynamic else 0
 
 
 @functools.cache
 def kernel(d_pad, dv_pad, mods, dtype):
-    fn, threads, rows = make_forward(d_pad, dv_pad, mods)
-    return compiled(fn, signature(dtype, FORWARD_ARGS)), threads, rows
+    fn, threads, rows, dynamic_bytes = make_forward(d_pad, dv_pad, mods)
+    return (compiled(fn, signature(dtype, FORWARD_ARGS), dynamic_bytes), threads, rows,
+            dynamic_bytes)
 
 
 def run_forward(q, k, v, scale, band, mods, out, lse, stream=None):
@@ -321,5 +376,5 @@ def run_forward(q, k, v, scale, band, mods, out, lse, stream=None):
     cores; ``usable`` must hold."""
     n_b, n_hq, n_q, d = q.shape
     options, has_mods = option_args(scale, band, mods)
-    fn, threads, rows = kernel(pad16(d), pad16(v.shape[3]), has_mods, np.dtype(q.dtype).str)
+    fn, threads, rows, _ = kernel(pad16(d), pad16(v.shape[3]), has_mods, np.dtype(q.dtype).str)
     fn((n_b * n_hq, -(-n_q // rows)), threads, stream, q, k, v, *options, out, lse)

@@ -19,12 +19,14 @@ from .runtime import load, simulated
 
 
 class Launcher:
-    """``Launcher(kernel)(grid, block, stream, *args)``: launch the compiled numba ``kernel``
-    (one signature) on the raw ``stream`` handle (None: the default stream) with ``GpuArray``s
-    and Python scalars."""
+    """``Launcher(kernel, dynamic_bytes)(grid, block, stream, *args)``: launch the compiled
+    numba ``kernel`` (one signature) on the raw ``stream`` handle (None: the default stream)
+    with ``GpuArray``s and Python scalars, and ``dynamic_bytes`` of dynamic shared memory (its
+    ``cuda.shared.array(0, ...)``)."""
 
-    def __init__(self, kernel):
+    def __init__(self, kernel, dynamic_bytes=0):
         self.dispatcher = kernel
+        self.dynamic_bytes = dynamic_bytes
         self._compiled = None
         self._configs = {}  # (grid, block) -> LaunchConfig: made once, not per call
 
@@ -43,14 +45,19 @@ class Launcher:
                 else:  # pragma: no cover - the kernels take no other kinds
                     raise TypeError(f"no direct launch for arguments of type {ty}")
             from cuda.core import LaunchConfig, launch
-            self._compiled = compiled._codelibrary.get_cufunc().kernel, kinds, (LaunchConfig,
-                                                                                 launch)
+            function = compiled._codelibrary.get_cufunc()
+            if self.dynamic_bytes > 48 * 1024:  # past the default limit: raise it, once
+                from numba.cuda.cudadrv.driver import binding, driver
+                attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+                driver.cuKernelSetAttribute(attr, self.dynamic_bytes, function.handle,
+                                            function.device.id)
+            self._compiled = function.kernel, kinds, (LaunchConfig, launch)
         return self._compiled
 
     def __call__(self, grid, block, stream, *args):
         if simulated():
-            self.dispatcher[grid, block](*(a.owner if isinstance(a, GpuArray) else a
-                                           for a in args))
+            launch = self.dispatcher[grid, block, 0, self.dynamic_bytes]
+            launch(*(a.owner if isinstance(a, GpuArray) else a for a in args))
             return
         kernel, kinds, (make_config, launch) = self._kernel()
         if len(args) != len(kinds):
@@ -71,16 +78,17 @@ class Launcher:
             if len(self._configs) >= 256:
                 self._configs.clear()
             config = self._configs[grid, block] = make_config(grid=grid, block=block,
-                                                              shmem_size=0)
+                                                              shmem_size=self.dynamic_bytes)
         launch(core_stream(stream), config, kernel, *words)
 
 
-def compiled(fn, signature):
-    """A ``Launcher`` of ``fn`` compiled for ``signature``; kept in numba-cuda's disk cache
+def compiled(fn, signature, dynamic_bytes=0):
+    """A ``Launcher`` of ``fn`` compiled for ``signature`` (``dynamic_bytes`` of dynamic shared
+    memory a launch); kept in numba-cuda's disk cache
     where ``fn`` has a source file for it (``codegen.build``), so a new process loads the
     kernel instead of compiling it again (about 20 s per kernel on the H200 machine)."""
     cache = bool(getattr(fn, "cacheable", False)) and not simulated()
-    return Launcher(load().jit(signature, cache=cache)(fn))
+    return Launcher(load().jit(signature, cache=cache)(fn), dynamic_bytes)
 
 
 _streams = {}
