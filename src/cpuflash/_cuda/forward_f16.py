@@ -39,9 +39,9 @@ import math
 import numpy as np
 from numba import float32, int32, int64
 
-from .codegen import build, rep
-from .forward_mma import copy_tile, kernel_source, mtile_tags, pad16, softmax_lines, store_lines
-from .forward_mma import takes
+from .codegen import build
+from .forward_mma import copy_tile, kernel_source, mtile_rows, mtile_softmax, mtile_state
+from .forward_mma import mtile_tags, pad16, takes
 from .launch import compiled
 from .mma import copy_async16, copy_commit, copy_wait, copy_wait_all, ldmatrix_x4
 from .mma import ldmatrix_x4_trans, mma_f16, pack_f16
@@ -55,7 +55,6 @@ from .tiles import (
     ZERO,
     index_mask,
     option_args,
-    score_lines,
     shared_size,
     shfl_xor_sync,
     signature,
@@ -133,11 +132,6 @@ def make_forward(d_pad, dv_pad, mods):
     V_AT = BN * LDK
     Q_AT, LDQ = V_AT + BN * LDV, DK // 2 + 4  # Q block [row][LDQ words], when in shared memory
     SIZE = shared_size(Q_AT + (BM * LDQ if Q_SHARED else 0))
-    # warp w owns m-tiles w * MT .. w * MT + MT - 1 of 16 rows; a thread rows g and g + 8 of each
-    rows = []
-    for i, tag in enumerate(tags):
-        rows += [f"r{tag}_lo = q0 + ((tid // 32) * {MT} + {i}) * 16 + g",
-                 f"r{tag}_hi = r{tag}_lo + 8"]
     # S = Q K^T: per k-step ks, per n-tile j (keys 8j..8j+7) B = K[8j + g][16ks + 2t:+2] and
     # K[8j + g][16ks + 8 + 2t:+2]: words 8ks + t and 8ks + 4 + t of row 8j + g, loaded once for
     # all the warp's m-tiles. k-steps outermost: the MMAs in a row do not wait for each other.
@@ -153,13 +147,7 @@ def make_forward(d_pad, dv_pad, mods):
             for j in range(NJ):
                 acc = ", ".join(f"s{tag}{j}_{c}" for c in range(4))
                 s_mma += [f"{acc} = mma_f16({qa}, kf{j}_0, kf{j}_1, {acc})"]
-    elements, row_tags, softmax = [], [], []
-    for i, tag in enumerate(tags):
-        elements += [(f"s{tag}{j}_{c}", f"r{tag}_lo" if c < 2 else f"r{tag}_hi",
-                      f"k0 + {8 * j + (c & 1)} + 2 * t", 2 * i + (c >= 2))
-                     for j in range(NJ) for c in range(4)]
-        row_tags += [(2 * i, f"r{tag}_lo"), (2 * i + 1, f"r{tag}_hi")]
-        softmax += softmax_lines(NJ, tag)
+    scores, softmax = mtile_softmax(tags, NJ, mods)
     # P V: k-step kk (keys 16kk..16kk+15) takes A = P of S's n-tiles 2kk, 2kk + 1 packed in
     # pairs; each ldmatrix gives the B operands of two n-tiles of the output (dims 16np..+15),
     # for all the warp's m-tiles
@@ -180,13 +168,11 @@ def make_forward(d_pad, dv_pad, mods):
                 for nd, (b0, b1) in ((2 * np_, ("vf0", "vf1")), (2 * np_ + 1, ("vf2", "vf3"))):
                     acc = ", ".join(f"o{tag}{nd}_{c}" for c in range(4))
                     pv += [f"{acc} = mma_f16({pa}, {b0}, {b1}, {acc})"]
-    init, rescale, store, load_q = [], [], [], []
+    init, store = mtile_state(tags, NVD)
+    rescale, load_q = [], []
     for tag in tags:
-        init += [f"m{tag}_lo = NEG_INF", f"m{tag}_hi = NEG_INF", f"l{tag}_lo = ZERO",
-                 f"l{tag}_hi = ZERO"] + rep(f"o{tag}{{nd}}_{{c}} = ZERO", nd=NVD, c=4)
         rescale += [f"o{tag}{nd}_{c} *= alpha{tag}_{'lo' if c < 2 else 'hi'}"
                     for nd in range(NVD) for c in range(4)]
-        store += store_lines(NVD, tag)
         if not Q_SHARED:
             load_q += _load_q(NKS, tag)
     if Q_SHARED:
@@ -203,7 +189,7 @@ def make_forward(d_pad, dv_pad, mods):
                    "# ldmatrix: lane l gives row l % 8 of 8 x 8 block l // 8 (keys +0/+8, dims "
                    "+0/+8)", "v_frag = (V_AT + ((lane // 8) % 2 * 8 + lane % 8) * LDV + "
                    "(lane // 16) * 4) & ALIGN4"],
-        rows=rows, load_q=load_q, init=init,
+        rows=mtile_rows(tags), load_q=load_q, init=init,
         copy_first_k=copy_tile("0", "kh", "d", DK, "LDK", "kb_lo * BN", 8, BN, NT, True),
         copy_next_k=copy_tile("0", "kh", "d", DK, "LDK", "k0 + BN", 8, BN, NT, True),
         copy_v=copy_tile("V_AT", "vh", "dv", DV, "LDV", "k0", 8, BN, NT, True),
@@ -211,7 +197,7 @@ def make_forward(d_pad, dv_pad, mods):
         s_mma=s_mma,
         to_base2=[f"s{tag}{j}_{c} *= scale2" for tag in tags for j in range(NJ)
                   for c in range(4)],
-        scores=score_lines(elements, row_tags, mods), softmax=softmax, rescale=rescale,
+        scores=scores, softmax=softmax, rescale=rescale,
         pv=pv, store=store)
     names = {"cuda": cuda, "math": math, "shfl_xor_sync": shfl_xor_sync, "float32": float32,
              "int32": int32, "int64": int64, "mma_f16": mma_f16, "pack_f16": pack_f16,

@@ -250,6 +250,43 @@ def store_lines(nvd, mt=""):
     return store
 
 
+def mtile_rows(tags):
+    """Lines: this thread's two rows of each of its warp's m-tiles (``tags``, ``mtile_tags``):
+    warp w owns m-tiles w * MT .. w * MT + MT - 1 of 16 rows; a thread rows g and g + 8 of
+    each."""
+    lines = []
+    for i, tag in enumerate(tags):
+        lines += [f"r{tag}_lo = q0 + ((tid // 32) * {len(tags)} + {i}) * 16 + g",
+                  f"r{tag}_hi = r{tag}_lo + 8"]
+    return lines
+
+
+def mtile_softmax(tags, nj, mods):
+    """Lines: score modifiers and band masks (``score_lines``), and the online softmax
+    (``softmax_lines``), of a tile of scores ``s{tag}{j}_{c}`` (``nj`` n-tiles of 8 keys per
+    m-tile, accumulator layout: the key of ``s{tag}{j}_{c}`` is k0 + 8j + 2t + (c & 1), its
+    row ``r{tag}_lo`` for c < 2, else ``r{tag}_hi``)."""
+    elements, row_tags, softmax = [], [], []
+    for i, tag in enumerate(tags):
+        elements += [(f"s{tag}{j}_{c}", f"r{tag}_lo" if c < 2 else f"r{tag}_hi",
+                      f"k0 + {8 * j + (c & 1)} + 2 * t", 2 * i + (c >= 2))
+                     for j in range(nj) for c in range(4)]
+        row_tags += [(2 * i, f"r{tag}_lo"), (2 * i + 1, f"r{tag}_hi")]
+        softmax += softmax_lines(nj, tag)
+    return score_lines(elements, row_tags, mods), softmax
+
+
+def mtile_state(tags, nvd):
+    """Lines: each m-tile's running max, sum and output set up (``init``), and stored
+    (``store``, ``store_lines``)."""
+    init, store = [], []
+    for tag in tags:
+        init += [f"m{tag}_lo = NEG_INF", f"m{tag}_hi = NEG_INF", f"l{tag}_lo = ZERO",
+                 f"l{tag}_hi = ZERO"] + rep(f"o{tag}{{nd}}_{{c}} = ZERO", nd=nvd, c=4)
+        store += store_lines(nvd, tag)
+    return init, store
+
+
 @functools.cache
 def make_forward(d_pad, dv_pad, mods):
     """The tensor-core forward kernel for float32 head dims up to ``d_pad``/``dv_pad``
@@ -268,11 +305,6 @@ def make_forward(d_pad, dv_pad, mods):
     K_AT, V_AT = BM * LDQ, BM * LDQ + BN * LDK  # multiples of 4: 16-byte aligned
     SIZE = V_AT + BN * LDV
     dynamic = SIZE > SHARED_FLOATS  # past the static 48 KiB: sized at launch
-    # warp w owns m-tiles w * MT .. w * MT + MT - 1 of 16 rows; a thread rows g and g + 8 of each
-    rows = []
-    for i, tag in enumerate(tags):
-        rows += [f"r{tag}_lo = q0 + ((tid // 32) * {MT} + {i}) * 16 + g",
-                 f"r{tag}_hi = r{tag}_lo + 8"]
     # S = Q K^T, per k-step ks (dims 8ks..8ks+7): A = Q[g, 8ks + 2t], Q[g + 8, 8ks + 2t],
     # Q[g, 8ks + 2t + 1], Q[g + 8, 8ks + 2t + 1] (the MMA's k = t is dim 2t, k = t + 4 is dim
     # 2t + 1), two 8-byte loads; per n-tile j (keys 8j..8j+7) B = K[8j + g, 8ks + 2t] and
@@ -296,15 +328,7 @@ def make_forward(d_pad, dv_pad, mods):
                 for j in range(NJ):
                     acc = ", ".join(f"s{tag}{j}_{c}" for c in range(4))
                     s_mma += [f"{acc} = mma_tf32({qa}, k{bb}{j}_0, k{bb}{j}_1, {acc})"]
-    # scores: the key of s{tag}{j}_{c} is k0 + 8j + 2t + (c & 1), its row r{tag}_lo (c < 2) or
-    # r{tag}_hi
-    elements, row_tags, softmax = [], [], []
-    for i, tag in enumerate(tags):
-        elements += [(f"s{tag}{j}_{c}", f"r{tag}_lo" if c < 2 else f"r{tag}_hi",
-                      f"k0 + {8 * j + (c & 1)} + 2 * t", 2 * i + (c >= 2))
-                     for j in range(NJ) for c in range(4)]
-        row_tags += [(2 * i, f"r{tag}_lo"), (2 * i + 1, f"r{tag}_hi")]
-        softmax += softmax_lines(NJ, tag)
+    scores, softmax = mtile_softmax(tags, NJ, mods)
     # P V: per k-step kk (keys 8kk..8kk+7 = S's n-tile kk) A = (s0, s2, s1, s3) of that
     # n-tile; per n-tile nd (dims 8nd..8nd+7) B = V[8kk + 2t, 8nd + g], V[8kk + 2t + 1, 8nd + g],
     # split once for all the warp's m-tiles.
@@ -331,17 +355,13 @@ def make_forward(d_pad, dv_pad, mods):
                     pv += [f"{acc} = mma_tf32({pa}, v{bb}0, v{bb}1, {acc})"]
         pv += [f"o{tag}{nd}_{c} = o{tag}{nd}_{c} * alpha{tag}_{'lo' if c < 2 else 'hi'} "
                f"+ t{tag}_{c}" for tag in tags for c in range(4)]
-    init, store = [], []
-    for tag in tags:
-        init += [f"m{tag}_lo = NEG_INF", f"m{tag}_hi = NEG_INF", f"l{tag}_lo = ZERO",
-                 f"l{tag}_hi = ZERO"] + rep(f"o{tag}{{nd}}_{{c}} = ZERO", nd=NVD, c=4)
-        store += store_lines(NVD, tag)
+    init, store = mtile_state(tags, NVD)
     source = kernel_source(
         "forward_mma",
         shared=["# Q block [row][dim] (row LDQ) at 0, K tile [key][dim] (row LDK) at K_AT, V tile "
                 "(row LDV)", "# at V_AT", "sm = cuda.shared.array(%s, float32, alignment=16)"
                 % ("0" if dynamic else "SIZE")],
-        rows=rows,
+        rows=mtile_rows(tags),
         fragments=[f"q_frag = ((tid // 32) * {16 * MT} * LDQ + g * LDQ + 2 * t) & ALIGN2  # A "
                    "operands of S = Q K^T", "k_frag = (K_AT + g * LDK + 2 * t) & ALIGN2  # B "
                    "operands", "v_frag = V_AT + 2 * t * LDV + g             # and of P V"],
@@ -351,7 +371,7 @@ def make_forward(d_pad, dv_pad, mods):
         copy_next_k=copy_tile("K_AT", "kh", "d", DK, "LDK", "k0 + BN", 4, BN, NT, True),
         copy_v=copy_tile("V_AT", "vh", "dv", DV, "LDV", "k0", 4, BN, NT, True),
         zero_s=[f"s{tag}{j}_{c} = ZERO" for tag in tags for j in range(NJ) for c in range(4)],
-        s_mma=s_mma, scores=score_lines(elements, row_tags, mods), softmax=softmax, pv=pv,
+        s_mma=s_mma, scores=scores, softmax=softmax, pv=pv,
         store=store)
     names = {"cuda": cuda, "math": math, "shfl_xor_sync": shfl_xor_sync, "float32": float32,
              "int64": int64, "tf32": tf32, "mma_tf32": mma_tf32, "copy_async16": copy_async16,
