@@ -2,16 +2,17 @@
 (``S = Q K^T`` and ``P V``) as warp-wide ``mma.sync`` in 3xTF32 (``mma.py``: float32-class
 accuracy from three TF32 MMAs per product), as torch's own float32 kernel does.
 
-One block of warps per (query block, batch * head); each warp owns whole m-tiles of 16 rows
-(two at head dims up to 64, one up to 128: ``SHAPES``), and a thread holds, in the MMA's
-accumulator layout, two rows (``g`` and ``g + 8``, ``g = lane // 4``) of each m-tile's S and
-output:
+One block of warps per (query block, batch * head); each warp owns two m-tiles of 16 rows
+(up to D = 64; above, a pair of warps shares them, each taking half the dims: ``SHAPES``), and
+a thread holds, in the MMA's accumulator layout, two rows (``g`` and ``g + 8``, ``g = lane //
+4``) of each m-tile's S and output:
 
     Q block -> shared memory, scaled by scale * log2(e)
     K tile 0 -> shared memory (cp.async: no registers hold it on the way)
     for each key tile the block can see (16 keys):
         start V tile -> shared memory
         S   = Q K^T                     # per m-tile 2 n-tiles x D/8 k-steps x 3 MMAs
+                                        # (a pair of warps: D/16 each, halves exchanged)
         start the next K tile -> shared memory
         softcap / ALiBi / band mask; online softmax per row (4 lanes share a row: 2 shuffles)
         acc = alpha * acc + P V         # P straight from S's registers (see below)
@@ -28,7 +29,7 @@ loads of a warp hit every bank once.
 
 Keys no row of the block sees are zero-filled (``copy_async16``), as ``forward.py`` loads
 them as zeros. At head dims past 64 the tiles pass the static 48 KiB of shared memory and are
-sized at launch (52 KiB at 128; every GPU of compute capability 8.0 or newer takes 99 KiB or
+sized at launch (59 KiB at 128; every GPU of compute capability 8.0 or newer takes 99 KiB or
 more). Used for float32 with head dims up to 128 on such a GPU (``usable``); everything else,
 and the simulator, runs ``forward.py``.
 """
@@ -64,18 +65,23 @@ cuda = load()
 
 MAX_HEAD_DIM = 128  # the output of 16 rows x 128 dims is 64 registers a thread
 # By the widest padded head dim: (warps per block, m-tiles of 16 query rows per warp, keys per
-# tile). Two m-tiles per warp split each K and V fragment into TF32 parts once for both, and
-# 16-key tiles keep the two m-tiles' S, P and output in 254 registers without spills (ptxas,
-# sm_90). Measured on the H200 against torch's efficient kernel, float32, not causal, B=4,
-# H=16, N=4096 / 16384 (log bench/results/h200_forward_mma_shapes.txt): at D=64, (4, 2, 16)
-# 1.10 / 1.24x; (4, 1, 32), stop 16's shape, 0.98 / 1.16x; (4, 1, 16) 0.87 / 1.02x (166
-# registers, 3 blocks a multiprocessor); (8, 1, 16) 0.79 / 0.85x. At D=128, (4, 1, 16) and
-# (8, 1, 16) 0.68-0.74x; (4, 1, 32) 0.60-0.65x (188 bytes spilled); (2, 1, 16) 0.61x; the
-# SIMT kernel 0.62-0.65x. Capping registers for more blocks a multiprocessor (launch bounds:
-# 168 or 128 registers) spilled and lost 5-25 % at both widths; so did keeping Q, K and V in
-# shared memory already split (fewer conversions, twice the loads: 0.63-0.72x).
-SHAPES = {16: (4, 2, 16), 32: (4, 2, 16), 48: (4, 2, 16), 64: (4, 2, 16), 80: (4, 1, 16),
-          96: (4, 1, 16), 112: (4, 1, 16), 128: (4, 1, 16)}
+# tile, warps that share each m-tile). Two m-tiles per warp split each K and V fragment into
+# TF32 parts once for both, and 16-key tiles keep the two m-tiles' S, P and output in 254
+# registers without spills (ptxas, sm_90). Past D = 64 the output of two m-tiles would not fit:
+# there a pair of warps shares its two m-tiles, each warp summing half the dims of Q K^T (the
+# halves exchanged through shared memory) and holding half the dims of the output, so that a
+# warp's work per tile is the D = 64 kernel's. Measured on the H200 against torch's efficient
+# kernel, float32, not causal, B=4, H=16, N=4096 / 16384 (log
+# bench/results/h200_forward_mma_shapes.txt): at D=64, (4, 2, 16, 1) 1.10 / 1.24x; (4, 1, 32,
+# 1), stop 16's shape, 0.98 / 1.16x; (4, 1, 16, 1) 0.87 / 1.02x (166 registers, 3 blocks a
+# multiprocessor); (8, 1, 16, 1) 0.79 / 0.85x. At D=128, (4, 2, 16, 2) 0.78 / 0.81x and (8, 2,
+# 16, 2) 0.78 / 0.84x; one m-tile a warp, (4, 1, 16, 1) and (8, 1, 16, 1), 0.68-0.74x; (4, 1,
+# 32, 1) 0.60-0.65x (188 bytes spilled); the SIMT kernel 0.62-0.65x. Capping registers for
+# more blocks a multiprocessor (launch bounds: 168 or 128 registers) spilled and lost 5-25 %
+# at both widths; so did keeping Q, K and V in shared memory already split (fewer
+# conversions, twice the loads: 0.63-0.72x at D=64).
+SHAPES = {16: (4, 2, 16, 1), 32: (4, 2, 16, 1), 48: (4, 2, 16, 1), 64: (4, 2, 16, 1),
+          80: (4, 2, 16, 2), 96: (4, 2, 16, 2), 112: (4, 2, 16, 2), 128: (4, 2, 16, 2)}
 
 
 def mtile_tags(mt):
@@ -231,9 +237,10 @@ def softmax_lines(nj, mt=""):
     return softmax
 
 
-def store_lines(nvd, mt=""):
-    """Lines: the output ``o{mt}{nd}_{c}`` (``nvd`` n-tiles of 8 dims, accumulator layout)
-    divided by ``l`` into ``out``, and ``lse``; rows past ``n_q`` and dims past ``dv`` are not
+def store_lines(nvd, mt="", dim0="", writes_lse="t == 0"):
+    """Lines: the output ``o{mt}{nd}_{c}`` (``nvd`` n-tiles of 8 dims, accumulator layout,
+    from dim ``dim0``: "" or " + <expression>") divided by ``l`` into ``out``, and ``lse``
+    (by the lanes where ``writes_lse``); rows past ``n_q`` and dims past ``dv`` are not
     stored. ``mt`` as in ``softmax_lines``."""
     store = []
     for w, cs in (("lo", (0, 1)), ("hi", (2, 3))):
@@ -243,20 +250,21 @@ def store_lines(nvd, mt=""):
                   f"    inv_l = ONE / {total} if seen else ZERO"]
         for nd in range(nvd):
             for c in cs:
-                col = f"{8 * nd + (c & 1)} + 2 * t"
+                col = f"{8 * nd + (c & 1)} + 2 * t{dim0}"
                 store += [f"    if {col} < dv: out[b, h, {r}, {col}] = o{mt}{nd}_{c} * inv_l"]
-        store += [f"    if t == 0: lse[b, h, {r}] = ({m} + math.log2({total})) * LN2 "
+        store += [f"    if {writes_lse}: lse[b, h, {r}] = ({m} + math.log2({total})) * LN2 "
                   "if seen else NEG_INF"]
     return store
 
 
-def mtile_rows(tags):
+def mtile_rows(tags, split=1):
     """Lines: this thread's two rows of each of its warp's m-tiles (``tags``, ``mtile_tags``):
-    warp w owns m-tiles w * MT .. w * MT + MT - 1 of 16 rows; a thread rows g and g + 8 of
-    each."""
+    warp w owns m-tiles w * MT .. w * MT + MT - 1 of 16 rows (with ``split`` warps to a group
+    of rows, group w // split); a thread rows g and g + 8 of each."""
+    warp = "(tid // 32)" if split == 1 else f"(tid // {32 * split})"
     lines = []
     for i, tag in enumerate(tags):
-        lines += [f"r{tag}_lo = q0 + ((tid // 32) * {len(tags)} + {i}) * 16 + g",
+        lines += [f"r{tag}_lo = q0 + ({warp} * {len(tags)} + {i}) * 16 + g",
                   f"r{tag}_hi = r{tag}_lo + 8"]
     return lines
 
@@ -276,14 +284,14 @@ def mtile_softmax(tags, nj, mods):
     return score_lines(elements, row_tags, mods), softmax
 
 
-def mtile_state(tags, nvd):
+def mtile_state(tags, nvd, dim0="", writes_lse="t == 0"):
     """Lines: each m-tile's running max, sum and output set up (``init``), and stored
     (``store``, ``store_lines``)."""
     init, store = [], []
     for tag in tags:
         init += [f"m{tag}_lo = NEG_INF", f"m{tag}_hi = NEG_INF", f"l{tag}_lo = ZERO",
                  f"l{tag}_hi = ZERO"] + rep(f"o{tag}{{nd}}_{{c}} = ZERO", nd=nvd, c=4)
-        store += store_lines(nvd, tag)
+        store += store_lines(nvd, tag, dim0, writes_lse)
     return init, store
 
 
@@ -294,16 +302,19 @@ def make_forward(d_pad, dv_pad, mods):
     kernel, its threads, its query rows and its bytes of dynamic shared memory."""
     DK, DV = d_pad, dv_pad
     assert DK % 16 == 0 and DV % 16 == 0 and max(DK, DV) <= MAX_HEAD_DIM, (DK, DV)
-    warps, MT, BN = SHAPES[max(DK, DV)]
-    BM, NT = 16 * MT * warps, 32 * warps  # query rows, threads
+    warps, MT, BN, SPLIT = SHAPES[max(DK, DV)]
+    BM, NT = 16 * MT * warps // SPLIT, 32 * warps  # query rows, threads
+    DKW, DVW = DK // SPLIT, DV // SPLIT  # a warp's share of the dims (multiples of 8)
     tags = mtile_tags(MT)
-    NKS, NJ, NVD = DK // 8, BN // 8, DV // 8  # k-steps of S, n-tiles of S, n-tiles of out
+    NKS, NJ, NVD = DKW // 8, BN // 8, DVW // 8  # a warp's k-steps of S, n-tiles of S and out
     # Row strides (floats), for conflict-free fragment loads: a half warp's 8-byte K loads
     # (rows g, dims 2t) need LDK = 8 (mod 32) words; a warp's V loads (rows 2t, dims g),
     # LDV = 4 (mod 16)
     LDQ, LDK, LDV = DK + 8, DK + 8, DV + 4
     K_AT, V_AT = BM * LDQ, BM * LDQ + BN * LDK  # multiples of 4: 16-byte aligned
-    SIZE = V_AT + BN * LDV
+    X_AT = V_AT + BN * LDV  # with SPLIT = 2: the warps' partial scores, [score][thread]
+    NX = MT * NJ * 4 if SPLIT > 1 else 0  # a thread's scores
+    SIZE = X_AT + NX * NT
     dynamic = SIZE > SHARED_FLOATS  # past the static 48 KiB: sized at launch
     # S = Q K^T, per k-step ks (dims 8ks..8ks+7): A = Q[g, 8ks + 2t], Q[g + 8, 8ks + 2t],
     # Q[g, 8ks + 2t + 1], Q[g + 8, 8ks + 2t + 1] (the MMA's k = t is dim 2t, k = t + 4 is dim
@@ -328,6 +339,17 @@ def make_forward(d_pad, dv_pad, mods):
                 for j in range(NJ):
                     acc = ", ".join(f"s{tag}{j}_{c}" for c in range(4))
                     s_mma += [f"{acc} = mma_tf32({qa}, k{bb}{j}_0, k{bb}{j}_1, {acc})"]
+    # With SPLIT = 2 the two warps of a pair (warps 2p, 2p + 1: lanes ``tid`` and ``tid ^ 32``
+    # hold the same scores) each sum half of the dims; each adds the other's half after the
+    # barrier that follows S (a + b = b + a: both get the same bits, and so the same softmax),
+    # and a tile's writes come after the barrier before P V, which follows the last reads.
+    exchange_out, exchange_in = [], []
+    if SPLIT > 1:
+        names_s = [f"s{tag}{j}_{c}" for tag in tags for j in range(NJ) for c in range(4)]
+        for e, x in enumerate(names_s):
+            exchange_out += [f"sm[X_AT + {e * NT} + tid] = {x}"]
+            exchange_in += [f"{x} += sm[X_AT + {e * NT} + (tid ^ 32)]"]
+    s_mma += exchange_out
     scores, softmax = mtile_softmax(tags, NJ, mods)
     # P V: per k-step kk (keys 8kk..8kk+7 = S's n-tile kk) A = (s0, s2, s1, s3) of that
     # n-tile; per n-tile nd (dims 8nd..8nd+7) B = V[8kk + 2t, 8nd + g], V[8kk + 2t + 1, 8nd + g],
@@ -337,6 +359,16 @@ def make_forward(d_pad, dv_pad, mods):
     # tiles in them the output drifted (measured at N=16384: 1.6e-5 against torch, whose
     # 3xTF32 kernel stages its sums too; 3e-7 so). n-tiles outermost: 4 staging registers an
     # m-tile.
+    if SPLIT == 1:
+        fragments = [f"q_frag = ((tid // 32) * {16 * MT} * LDQ + g * LDQ + 2 * t) & ALIGN2  # A "
+                     "operands of S = Q K^T", "k_frag = (K_AT + g * LDK + 2 * t) & ALIGN2  # B "
+                     "operands", "v_frag = V_AT + 2 * t * LDV + g             # and of P V"]
+    else:
+        fragments = [f"half = (tid // 32) % {SPLIT}  # this warp's share of the dims",
+                     f"q_frag = ((tid // {32 * SPLIT}) * {16 * MT} * LDQ + g * LDQ + 2 * t "
+                     f"+ {DKW} * half) & ALIGN2",
+                     f"k_frag = (K_AT + g * LDK + 2 * t + {DKW} * half) & ALIGN2",
+                     f"v_frag = V_AT + 2 * t * LDV + g + {DVW} * half"]
     pv = []
     for tag in tags:
         for kk in range(NJ):
@@ -355,16 +387,17 @@ def make_forward(d_pad, dv_pad, mods):
                     pv += [f"{acc} = mma_tf32({pa}, v{bb}0, v{bb}1, {acc})"]
         pv += [f"o{tag}{nd}_{c} = o{tag}{nd}_{c} * alpha{tag}_{'lo' if c < 2 else 'hi'} "
                f"+ t{tag}_{c}" for tag in tags for c in range(4)]
-    init, store = mtile_state(tags, NVD)
+    if SPLIT > 1:  # each warp of a pair stores its half of the dims; the first, lse
+        init, store = mtile_state(tags, NVD, f" + {DVW} * half", "t == 0 and half == 0")
+    else:
+        init, store = mtile_state(tags, NVD)
     source = kernel_source(
         "forward_mma",
         shared=["# Q block [row][dim] (row LDQ) at 0, K tile [key][dim] (row LDK) at K_AT, V tile "
                 "(row LDV)", "# at V_AT", "sm = cuda.shared.array(%s, float32, alignment=16)"
                 % ("0" if dynamic else "SIZE")],
-        rows=mtile_rows(tags),
-        fragments=[f"q_frag = ((tid // 32) * {16 * MT} * LDQ + g * LDQ + 2 * t) & ALIGN2  # A "
-                   "operands of S = Q K^T", "k_frag = (K_AT + g * LDK + 2 * t) & ALIGN2  # B "
-                   "operands", "v_frag = V_AT + 2 * t * LDV + g             # and of P V"],
+        rows=mtile_rows(tags, SPLIT),
+        fragments=fragments,
         load_q=q_block_lines("sm[({r} * LDQ + {c}) & ANY] = {x}"),
         init=init,
         copy_first_k=copy_tile("K_AT", "kh", "d", DK, "LDK", "kb_lo * BN", 4, BN, NT, True),
@@ -372,13 +405,13 @@ def make_forward(d_pad, dv_pad, mods):
         copy_v=copy_tile("V_AT", "vh", "dv", DV, "LDV", "k0", 4, BN, NT, True),
         zero_s=[f"s{tag}{j}_{c} = ZERO" for tag in tags for j in range(NJ) for c in range(4)],
         s_mma=s_mma, scores=scores, softmax=softmax, pv=pv,
-        store=store)
+        to_base2=exchange_in, store=store)
     names = {"cuda": cuda, "math": math, "shfl_xor_sync": shfl_xor_sync, "float32": float32,
              "int64": int64, "tf32": tf32, "mma_tf32": mma_tf32, "copy_async16": copy_async16,
              "copy_commit": copy_commit, "copy_wait": copy_wait, "copy_wait_all": copy_wait_all,
              "FULL_MASK": FULL_MASK, "LN2": LN2, "NEG_INF": NEG_INF, "ONE": ONE, "ZERO": ZERO,
              "BM": BM, "BN": BN, "NT": NT, "DK": DK, "LDQ": LDQ, "LDK": LDK, "LDV": LDV,
-             "K_AT": K_AT, "V_AT": V_AT, "SIZE": SIZE,
+             "K_AT": K_AT, "V_AT": V_AT, "X_AT": X_AT, "SIZE": SIZE,
              "MODS": mods, "ANY": index_mask(1), "ALIGN2": index_mask(2),
              "ALIGN4": index_mask(4)}
     return build(source, "forward_mma", names), NT, BM, 4 * SIZE if dynamic else 0
