@@ -31,7 +31,7 @@ from .masking import (HIDDEN, MIXED, apply_user_mask, mask_tile, tile_key_range,
                       tile_needs_mask)
 from .dropout import dropout_row
 from .scores import modify_row, tanh_grad_row
-from .pack import pack_scaled_rows, packed_rows, packed_transposed, workspace
+from .pack import empty, pack_scaled_rows, packed_rows, packed_transposed, workspace
 from .tiles import (add_into, add_into_compensated, exp2_shifted2, softmax_grad_row,
                     tile_product)
 
@@ -279,9 +279,9 @@ def run_backward(dout, q, k, v, out, lse, scale, band, mods, user_mask, drop, po
     # The gradients faulted in here, on one thread: pages first touched inside a kernel, by
     # both threads at once, cost more (see dq_part below; measured at N=8192, D=128: 60-100 ms
     # for a calloc'd dQ first written after the kernel, 5 ms filled here).
-    dq = np.empty((n_b, n_hq, n_q, d), dtype=dtype)
-    dk = np.empty((n_b, n_hkv, n_k, d), dtype=dtype)
-    dv = np.empty((n_b, n_hkv, n_k, n_dv), dtype=dtype)
+    dq = empty((n_b, n_hq, n_q, d), dtype)  # very large ones on plain pages (pack.empty)
+    dk = empty((n_b, n_hkv, n_k, d), dtype)
+    dv = empty((n_b, n_hkv, n_k, n_dv), dtype)
     for grad in (dq, dk, dv):
         grad.fill(0.0)
     if n_q == 0 or n_k == 0 or dq.size == 0 and dk.size == 0:

@@ -33,7 +33,7 @@ from . import simd
 from ._jit import helper, kernel
 from .tasks import unravel
 from .decode import run_decode
-from .pack import packed_kv
+from .pack import empty, packed_kv
 from .masking import (HIDDEN, MIXED, apply_user_mask, mask_tile, tile_key_range,
                       tile_needs_mask)
 from .dropout import dropout_row
@@ -172,7 +172,7 @@ def run_forward(q, k, v, scale, band, mods, user_mask, drop, portable, out=None,
     n_b, n_hq, n_q, d = q.shape
     n_k, dv = v.shape[2], v.shape[3]
     if out is None:
-        out = np.empty((n_b, n_hq, n_q, dv), dtype=q.dtype)
+        out = empty((n_b, n_hq, n_q, dv), q.dtype)  # very large: plain pages (pack.empty)
     lse = np.empty((n_b, n_hq, n_q), dtype=q.dtype)
     if out.size == 0:
         return out, lse

@@ -11,6 +11,7 @@ Panel layout of a ``(rows, cols)`` tile with panel width ``w``: element ``(r, c)
 Keys past ``Nk`` and columns past ``Dv`` are zero. Inputs may have any strides (transposed or
 broadcast views) and are read once; the packed copies are O(N), like the inputs.
 """
+import mmap
 import threading
 
 import numpy as np
@@ -133,6 +134,31 @@ def pack_values(v, block_k, dv_pad, w, zero_nonfinite, vt):
                     vt[bh, kb, row + cc] = x
 
 
+# Fresh arrays from this size on get their own anonymous mapping of plain 4-KiB pages
+# (``empty``). numpy asks the kernel for huge pages on arrays of 4 MiB and more
+# (madvise(MADV_HUGEPAGE)), and with the kernel's transparent huge pages set to "madvise" (as
+# here) a fault in such memory may first compact physical memory for a 2-MiB page, in the
+# faulting thread. Right after a torch forward + backward had freed its tensors, that took
+# cpuflash's forward + backward at N=8192, D=128 (32-MiB arrays) from 3.55 to 4.04 s (0.6 s of
+# kernel time against 0.06; bench/after_torch.py, log bench/results/cpu_after_torch.txt); on
+# plain pages it ran in 3.45-3.67 s either way. Smaller arrays keep numpy's huge pages: from
+# 4 MiB on, plain pages made forward + backward at N=2048, D=64 (4-MiB arrays) 5-12 % slower
+# in page faults (same log), and no compaction stall showed there.
+PLAIN_PAGES_FROM_BYTES = 32 << 20
+
+
+def empty(shape, dtype):
+    """``np.empty(shape, dtype)``; from ``PLAIN_PAGES_FROM_BYTES`` on, a C-contiguous,
+    writeable, page-aligned array over its own anonymous mapping (unmapped when the array
+    goes), which the kernel backs with plain pages."""
+    dtype = np.dtype(dtype)
+    size = int(np.prod(shape))
+    if size * dtype.itemsize < PLAIN_PAGES_FROM_BYTES:
+        return np.empty(shape, dtype=dtype)
+    mapping = mmap.mmap(-1, size * dtype.itemsize)
+    return np.frombuffer(mapping, dtype=dtype, count=size).reshape(shape)
+
+
 # Packed buffers up to this size are kept per Python thread and reused by the next call: a
 # fresh buffer is page-faulted in on every call (measured: 0.5 ms of a 6 ms call at N=512,
 # D=128). Larger ones are allocated per call, where the faults are a small share of the work.
@@ -143,10 +169,10 @@ _workspace = threading.local()
 def workspace(name, shape, dtype):
     size = int(np.prod(shape))
     if size * np.dtype(dtype).itemsize > REUSE_MAX_BYTES:
-        return np.empty(shape, dtype=dtype)
+        return empty(shape, dtype)
     buf = getattr(_workspace, name, None)
     if buf is None or buf.size < size or buf.dtype != dtype:
-        buf = np.empty(max(size, 1), dtype=dtype)
+        buf = empty(max(size, 1), dtype)
         setattr(_workspace, name, buf)
     return buf[:size].reshape(shape)
 
