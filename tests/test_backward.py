@@ -113,6 +113,29 @@ def test_vjp_matches_forward_and_backward():
         assert np.array_equal(a, b)
 
 
+def test_plain_page_arrays(monkeypatch):
+    """Arrays from ``pack.PLAIN_PAGES_FROM_BYTES`` on come from their own mapping of plain
+    pages (``pack.empty``). With the threshold at 1 byte every output, gradient, packed K/V
+    and scratch array of a forward and backward pass does, and the results are the same bits
+    as with numpy's arrays."""
+    import threading
+    from cpuflash._cpu import pack
+    q, k, v, do = rands((1, 2, 70, 16), (1, 1, 90, 16), (1, 1, 90, 24), (1, 2, 70, 24))
+    out, lse = cpuflash.attention(q, k, v, causal=True, return_lse=True)
+    want = (out, lse) + tuple(grads(q, k, v, do, causal=True))
+    monkeypatch.setattr(pack, "PLAIN_PAGES_FROM_BYTES", 1)
+    monkeypatch.setattr(pack, "_workspace", threading.local())  # no buffer kept from before
+    out, lse = cpuflash.attention(q, k, v, causal=True, return_lse=True)
+    got = (out, lse) + tuple(grads(q, k, v, do, causal=True))
+    assert out.base is not None and got[2].base is not None  # over a mapping, not numpy's
+    for a, b in zip(got, want):
+        assert a.flags.c_contiguous and a.flags.writeable and a.dtype == b.dtype
+        assert np.array_equal(a, b)
+    x = pack.empty((3, 5), np.float32)
+    assert x.shape == (3, 5) and x.ctypes.data % 4096 == 0 and x.flags.writeable
+    assert pack.empty((0, 5), np.float32).shape == (0, 5)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_bitwise_identical_across_threads_and_runs(causal):
     q, k, v, do = rands((1, 1, 150, 16), (1, 1, 600, 16), (1, 1, 600, 16), (1, 1, 150, 16))

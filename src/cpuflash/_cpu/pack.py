@@ -153,7 +153,7 @@ def empty(shape, dtype):
     goes), which the kernel backs with plain pages."""
     dtype = np.dtype(dtype)
     size = int(np.prod(shape))
-    if size * dtype.itemsize < PLAIN_PAGES_FROM_BYTES:
+    if size == 0 or size * dtype.itemsize < PLAIN_PAGES_FROM_BYTES:
         return np.empty(shape, dtype=dtype)
     mapping = mmap.mmap(-1, size * dtype.itemsize)
     return np.frombuffer(mapping, dtype=dtype, count=size).reshape(shape)
