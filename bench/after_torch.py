@@ -8,7 +8,7 @@ the benchmarks do). Run each mode in its own process, in turns:
 Arguments: mode (alone | after), section (fwd | fwdbwd), N, D, causal (0 | 1), repeats; B=1,
 H=8, float32. Prints the best and the median time of cpuflash's calls. Not collected by pytest.
 """
-import sys
+import argparse
 import time
 
 import numpy as np
@@ -16,11 +16,19 @@ import torch
 import torch.nn.functional as F
 
 import cpuflash
+from cpuflash._measure import make_qkv
+
+
+def positive(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def main(mode, section, n, d, causal, reps):
-    rng = np.random.default_rng(0)
-    q, k, v, do = (rng.standard_normal((1, 8, n, d), dtype=np.float32) for _ in range(4))
+    q, k, v = make_qkv(1, 8, n, d)
+    do = np.random.default_rng(1).standard_normal(q.shape, dtype=np.float32)
     tq, tk, tv, tdo = (torch.from_numpy(x) for x in (q, k, v, do))
 
     def ours():
@@ -52,7 +60,12 @@ def main(mode, section, n, d, causal, reps):
 
 
 if __name__ == "__main__":
-    mode, section, n, d, causal, reps = sys.argv[1:7]
-    if mode not in ("alone", "after") or section not in ("fwd", "fwdbwd"):
-        raise SystemExit(__doc__)
-    main(mode, section, int(n), int(d), causal == "1", int(reps))
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("mode", choices=["alone", "after"])
+    p.add_argument("section", choices=["fwd", "fwdbwd"])
+    p.add_argument("n", type=positive)
+    p.add_argument("d", type=positive)
+    p.add_argument("causal", type=int, choices=[0, 1])
+    p.add_argument("reps", type=positive)
+    a = p.parse_args()
+    main(a.mode, a.section, a.n, a.d, a.causal == 1, a.reps)

@@ -107,6 +107,9 @@ def main():
     p.add_argument("--memory", action="store_true")
     p.add_argument("--json")
     a = p.parse_args()
+    for name in ("reps", "calls"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name} must be at least 1, got {getattr(a, name)}")
     rows = []
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"{a.calls} call(s) between events")

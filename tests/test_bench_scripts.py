@@ -1,0 +1,29 @@
+"""The benchmark scripts outside pytest-benchmark reject bad arguments with a message that
+names the argument, before any work (they import torch: skipped without it)."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+
+def run(script, *args):
+    env = dict(os.environ, PYTHONPATH=str(BENCH.parent / "src"))
+    return subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True,
+                          text=True, env=env, timeout=120)
+
+
+@pytest.mark.parametrize("script,args,words", [
+    ("after_torch.py", ["alone", "fwd", "0", "64", "0", "3"], "argument n: must be at least 1"),
+    ("after_torch.py", ["later", "fwd", "64", "64", "0", "3"], "argument mode"),
+    ("after_torch.py", ["alone", "fwd", "64", "64", "2", "3"], "argument causal"),
+    ("cuda_bench.py", ["--calls", "0"], "--calls must be at least 1"),
+    ("cuda_bench.py", ["--reps", "-1"], "--reps must be at least 1"),
+])
+def test_bad_arguments(script, args, words):
+    done = run(script, *args)
+    assert done.returncode == 2 and words in done.stderr, done.stderr
