@@ -38,7 +38,8 @@ from .masking import (HIDDEN, MIXED, apply_user_mask, mask_tile, tile_key_range,
                       tile_needs_mask)
 from .dropout import dropout_row
 from .scores import modify_row
-from .tiles import divide_row, online_softmax, rescale_add, row_max, tile_product
+from .tiles import (divide_row, online_softmax, row_max, tile_product, tile_product_max,
+                    tile_product_rescale)
 
 LN2 = math.log(2.0)
 LOG2_E = 1.0 / LN2
@@ -99,8 +100,9 @@ def forward(q, kt, vt, block_q, scale2, left, right, kv_lens, softcap2, slopes2,
         l_i = np.zeros(block_q, dtype=out.dtype)
         l_tile_sums = np.empty(block_q, dtype=out.dtype)
         alpha_i = np.empty(block_q, dtype=out.dtype)
-        tile_max = np.empty(block_q, dtype=out.dtype)  # row maxima of a masked tile
-        pv = np.empty(block_q * dv_pad, dtype=out.dtype)
+        tile_max = np.empty(block_q, dtype=out.dtype)  # row maxima of a score tile
+        pv = np.empty(block_q * dv_pad if portable else 0, dtype=out.dtype)  # P @ V (portable)
+        row_vmax = np.empty(block_q * simd.lanes_of(out), dtype=out.dtype)
         for r in range(rows):
             for dd in range(d):
                 q_s[r * d + dd] = q[b, h, q0 + r, dd] * scale2  # as pack.pack_scaled_rows
@@ -110,25 +112,32 @@ def forward(q, kt, vt, block_q, scale2, left, right, kv_lens, softcap2, slopes2,
             if state == HIDDEN:
                 continue  # the caller's mask hides the whole tile
             k0 = kb * block_k
-            tile_product(s, 0, ld_s, q_s, 0, d, 1, kt_flat,
-                         (bh_kv * kt.shape[1] + kb) * tile_k, 0, d, block_q, block_k, d,
-                         False, portable)
+            k_off = (bh_kv * kt.shape[1] + kb) * tile_k
+            v_off = (bh_kv * vt.shape[1] + kb) * tile_v
+            # Without modifiers the row maxima come from the product's registers (a pass over
+            # S saved); a mask below only lowers scores, and its passes say what they leave.
+            max_given = not modify and not portable
+            if max_given:
+                tile_product_max(s, 0, ld_s, q_s, 0, d, 1, kt_flat, k_off, d, block_q, block_k,
+                                 d, row_vmax, tile_max)
+            else:
+                tile_product(s, 0, ld_s, q_s, 0, d, 1, kt_flat, k_off, 0, d, block_q, block_k,
+                             d, False, portable)
             if modify:
                 for r in range(rows):
                     modify_row(s, r * ld_s, block_k, q0 + r + n_k - n_q, k0, softcap2,
                                slopes2[b, h], no_t, portable)
-            max_given = False  # whether the masking pass found the row maxima on its way
             if state == MIXED:
                 n_cols = min(block_k, n_k_all - k0)
                 apply_user_mask(s, 0, ld_s, rows, mask, mask_is_bool, b, h, q0, k0, n_cols,
                                 LOG2_E, tile_max)
                 max_given = n_cols == block_k
+                if max_given:  # padding rows: their scores are 0 (Q zero-padded), or NaN
+                    for r in range(rows, block_q):
+                        tile_max[r] = row_max(s, r * ld_s, block_k, portable)
             if tile_needs_mask(q0, q0 + rows, k0, block_k, n_q, n_k, left, right):
                 mask_tile(s, ld_s, rows, q0, k0, block_k, n_q, n_k, left, right, -np.inf)
                 max_given = False
-            if max_given:  # padding rows: their scores are 0 (Q zero-padded), or NaN
-                for r in range(rows, block_q):
-                    tile_max[r] = row_max(s, r * ld_s, block_k, portable)
             online_softmax(s, ld_s, block_k, block_q, m_i, l_tile_sums, alpha_i, tile_max,
                            max_given, portable)
             for r in range(block_q):
@@ -140,10 +149,8 @@ def forward(q, kt, vt, block_q, scale2, left, right, kv_lens, softcap2, slopes2,
             # This tile's P @ V on its own, then acc = alpha * acc + it: each tile's sum is short,
             # which keeps float32 rounding lower than one long running sum over all keys.
             n_valid = min(block_k, n_k - k0)  # keys past kv_len have P = 0: V rows never read
-            tile_product(pv, 0, dv_pad, s, 0, ld_s, 1, vt_flat,
-                         (bh_kv * vt.shape[1] + kb) * tile_v, 0, block_k, block_q, dv_pad,
-                         n_valid, False, portable)
-            rescale_add(acc, pv, dv_pad, block_q, alpha_i, portable)
+            tile_product_rescale(acc, dv_pad, s, 0, ld_s, 1, vt_flat, v_off, block_k, block_q,
+                                 dv_pad, n_valid, alpha_i, pv, portable)
         for r in range(rows):
             if l_i[r] == 0.0:  # the row sees no key: output 0, lse -inf
                 for c in range(dv):

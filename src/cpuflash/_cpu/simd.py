@@ -418,7 +418,7 @@ def _prefetch(builder, ptr):
                       ir.Constant(i32, 1)])
 
 
-def _make_gemm(mr, nv, accumulate, prefetch=False):
+def _make_gemm(mr, nv, accumulate, prefetch=False, epilogue=None):
     """Build ``gemm(c, c_off, ldc, a, a_off, a_rs, a_ks, b, b_off, ldb, k)`` for one tile shape.
 
     ``C[r, :] (+)= sum_k A[r, k] * B[k, :]`` for ``r < mr`` and ``nv`` vectors of columns.
@@ -430,14 +430,26 @@ def _make_gemm(mr, nv, accumulate, prefetch=False):
     ``prefetch``: the gemm takes one more argument, ``pf``, and with each row of B it reads it
     hints the same row ``pf`` elements further on into the caches: the next tile of a stream
     (the decode kernel's K/V), one line per hint, spread evenly over the products.
-    """
 
-    def typer(c, a, b, n_extra):
+    ``epilogue`` (set mode only): the gemm takes two more arguments, ``e`` (an array of C's
+    type) and ``e_off``, and does one more step while the products are still in registers,
+    saving a pass over C from memory:
+
+    * ``"rescale"``: ``C[r, :] = e[e_off + r] * C[r, :] + product`` (one fused multiply-add per
+      vector, the same rounding as ``tiles.rescale_add`` on a stored product).
+    * ``"rowmax"``: ``C = product``, and ``e[e_off + r*W : +W] = vmax(that vector, the row's
+      product vectors)``: lane-wise running row maxima, NaN passed over as by ``vmax``.
+    """
+    n_extra = int(prefetch) + (2 if epilogue else 0)
+
+    def typer(c, a, b, extra):
         vt = _vec_of(c)
         if vt is None or _vec_of(a) != vt or not _storage_ok(b, vt):  # B: a V cache, say
             return None
+        if epilogue and not (isinstance(extra[0], types.Array) and extra[0].dtype == vt.dtype):
+            return None
         ip = types.intp
-        sig = types.void(c, ip, ip, a, ip, ip, ip, b, ip, ip, ip, *([ip] * n_extra))
+        sig = types.void(c, ip, ip, a, ip, ip, ip, b, ip, ip, ip, *extra)
 
         def codegen(context, builder, sig, args):
             cty, _, _, aty, _, _, _, bty, _, _, _ = sig.args[:11]
@@ -477,25 +489,48 @@ def _make_gemm(mr, nv, accumulate, prefetch=False):
                     for v in range(nv):
                         acc = builder.load(accs[r][v])
                         builder.store(_fma(builder, a_val, b_vecs[v], acc), accs[r][v])
+            if epilogue:
+                e_base = _elem_ptr(context, builder, sig.args[-2], args[-2], args[-1])
             for r in range(mr):
+                products = [builder.load(accs[r][v]) for v in range(nv)]
+                if epilogue == "rescale":
+                    alpha = _splat(builder, builder.load(
+                        builder.gep(e_base, [ir.Constant(ldc.type, r)])), lvt)
+                    products = [_fma(builder, builder.load(c_ptr(r, v), align=align), alpha, p)
+                                for v, p in enumerate(products)]
                 for v in range(nv):
-                    builder.store(builder.load(accs[r][v]), c_ptr(r, v), align=align)
+                    builder.store(products[v], c_ptr(r, v), align=align)
+                if epilogue == "rowmax":
+                    e_ptr = _vec_ptr(builder, builder.gep(
+                        e_base, [ir.Constant(ldc.type, r * width)]), lvt)
+                    best = builder.load(e_ptr, align=align)
+                    for p in products:  # vmax(running, new)
+                        best = builder.select(builder.fcmp_ordered(">", p, best), p, best)
+                    builder.store(best, e_ptr, align=align)
             return context.get_dummy_value()
 
         return sig, codegen
 
-    if prefetch:
+    if n_extra == 0:
+        @intrinsic
+        def gemm(typingctx, c, c_off, ldc, a, a_off, a_rs, a_ks, b, b_off, ldb, k):
+            return typer(c, a, b, ())
+
+        return gemm
+    if n_extra == 1:
         @intrinsic
         def gemm_pf(typingctx, c, c_off, ldc, a, a_off, a_rs, a_ks, b, b_off, ldb, k, pf):
-            return typer(c, a, b, 1)
+            return typer(c, a, b, (types.intp,))
 
         return gemm_pf
+    assert not prefetch and not accumulate
 
     @intrinsic
-    def gemm(typingctx, c, c_off, ldc, a, a_off, a_rs, a_ks, b, b_off, ldb, k):
-        return typer(c, a, b, 0)
+    def gemm_epilogue(typingctx, c, c_off, ldc, a, a_off, a_rs, a_ks, b, b_off, ldb, k, e,
+                      e_off):
+        return typer(c, a, b, (e, types.intp))
 
-    return gemm
+    return gemm_epilogue
 
 
 DOT_UNROLL = 4  # head-dim vectors per straight-line block of vdot_keys (D = 64 in float32)

@@ -67,11 +67,35 @@ def _micro_ahead_dispatch(mr):
     return helper(micro)
 
 
+def _micro_epilogue_dispatch(mr, epilogue):
+    """``micro(c, ..., k, nv, e, e_off)``: as ``_micro_dispatch``'s in set mode, with one of
+    ``simd._make_gemm``'s epilogues."""
+    g1, g2, g3, g4 = [simd._make_gemm(mr, nv, accumulate=False, epilogue=epilogue)
+                      for nv in range(1, 5)]
+
+    def micro(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k, nv, e, e_off):
+        if nv == 4:
+            g4(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k, e, e_off)
+        elif nv == 3:
+            g3(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k, e, e_off)
+        elif nv == 2:
+            g2(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k, e, e_off)
+        else:
+            g1(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k, e, e_off)
+
+    micro.__name__ = micro.__qualname__ = f"_micro_{epilogue}_{mr}rows"
+    return helper(micro)
+
+
 _micro_simd = _micro_dispatch(MR)
 # One-row tiles for the rows past the last whole MR block (decode with fewer rows than MR).
 _micro_row = _micro_dispatch(1)
 _micro_ahead = _micro_ahead_dispatch(MR)
 _micro_ahead_row = _micro_ahead_dispatch(1)
+_micro_rescale = _micro_epilogue_dispatch(MR, "rescale")
+_micro_rescale_row = _micro_epilogue_dispatch(1, "rescale")
+_micro_rowmax = _micro_epilogue_dispatch(MR, "rowmax")
+_micro_rowmax_row = _micro_epilogue_dispatch(1, "rowmax")
 
 
 @helper
@@ -112,6 +136,57 @@ def tile_product(c, c_off, ldc, a, a_off, a_rs, a_ks, b, b_off, b_ld, b_panel, r
             for r in range(whole, rows):
                 _micro_row(c, c_off + r * ldc + c0, ldc, a, a_off + r * a_rs, a_rs, a_ks,
                            b, panel, ldb, k, width // lanes, accumulate)
+
+
+@helper
+def tile_product_max(c, c_off, ldc, a, a_off, a_rs, a_ks, b, b_off, b_panel, rows, cols, k,
+                     row_vmax, tile_max):
+    """``C[:rows, :cols] = A[:rows, :k] @ B[:k, :cols]`` as ``tile_product`` (SIMD, B in packed
+    panels), and ``tile_max[r] = max(C[r, :cols])`` (NaN passed over, as ``row_max``), taken
+    from the registers as each micro-tile is stored: no second pass over C. ``row_vmax``:
+    scratch of ``rows`` vectors, the lane-wise maxima over the panels."""
+    lanes = simd.lanes_of(c)
+    step = MAX_VECS * lanes
+    whole = rows // MR * MR
+    row_vmax[:rows * lanes] = -np.inf
+    for c0 in range(0, cols, step):
+        width = min(step, cols - c0)
+        panel = b_off + c0 * b_panel
+        for r0 in range(0, whole, MR):
+            _micro_rowmax(c, c_off + r0 * ldc + c0, ldc, a, a_off + r0 * a_rs, a_rs, a_ks,
+                          b, panel, width, k, width // lanes, row_vmax, r0 * lanes)
+        for r in range(whole, rows):
+            _micro_rowmax_row(c, c_off + r * ldc + c0, ldc, a, a_off + r * a_rs, a_rs, a_ks,
+                              b, panel, width, k, width // lanes, row_vmax, r * lanes)
+    for r in range(rows):
+        tile_max[r] = simd.vhmax(simd.vload(row_vmax, r * lanes))
+
+
+@helper
+def tile_product_rescale(acc, ldc, a, a_off, a_rs, a_ks, b, b_off, b_panel, rows, cols, k,
+                         alpha_i, scratch, portable):
+    """``acc[r, :cols] = alpha_i[r] * acc[r, :cols] + (A @ B)[r, :]``, B in packed panels:
+    the product of one tile formed on its own (a short sum), then added to the running output
+    with one fused multiply-add per element, in the micro-kernel's registers (the SIMD form;
+    the portable form stores the product in ``scratch`` and calls ``rescale_add``: the same
+    arithmetic)."""
+    if portable:
+        tile_product(scratch, 0, ldc, a, a_off, a_rs, a_ks, b, b_off, 0, b_panel, rows, cols,
+                     k, False, True)
+        rescale_add(acc, scratch, ldc, rows, alpha_i, True)
+        return
+    lanes = simd.lanes_of(acc)
+    step = MAX_VECS * lanes
+    whole = rows // MR * MR
+    for c0 in range(0, cols, step):
+        width = min(step, cols - c0)
+        panel = b_off + c0 * b_panel
+        for r0 in range(0, whole, MR):
+            _micro_rescale(acc, r0 * ldc + c0, ldc, a, a_off + r0 * a_rs, a_rs, a_ks,
+                           b, panel, width, k, width // lanes, alpha_i, r0)
+        for r in range(whole, rows):
+            _micro_rescale_row(acc, r * ldc + c0, ldc, a, a_off + r * a_rs, a_rs, a_ks,
+                               b, panel, width, k, width // lanes, alpha_i, r)
 
 
 @helper
