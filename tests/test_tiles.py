@@ -1,17 +1,19 @@
 """The fused tile products against the two-step forms they replace: the same bits.
 
-``tile_product_max`` takes each row's maximum from the product's registers, and
-``tile_product_rescale`` adds the product to ``alpha * acc`` there; both must give exactly what
-``tile_product`` followed by ``row_max`` or ``rescale_add`` gives, so the forward kernel's
-results are the same bits as before the fusion.
+Each ``tile_product_<epilogue>`` finishes the product in the micro-kernel's registers (the row
+maxima, ``alpha * acc + P V``, the dQ sum, the Kahan sums of dK and dV, dS from dP); each must
+give exactly what ``tile_product`` followed by the pass it replaces gives, so the kernels'
+results are the same bits as before the fusion, on the SIMD and on the portable kernels.
 """
 import numba
 import numpy as np
 import pytest
 
 from cpuflash import config
-from cpuflash._cpu.tiles import (rescale_add, row_max, tile_product, tile_product_max,
-                                 tile_product_rescale)
+from cpuflash._cpu.tiles import (add_into, add_into_compensated, rescale_add, row_max,
+                                 softmax_grad_row, tile_product, tile_product_add,
+                                 tile_product_kahan, tile_product_max, tile_product_rescale,
+                                 tile_product_softmax_grad)
 
 MR = config.MICRO_ROWS
 LANES = config.VECTOR_BYTES // 4  # float32
@@ -32,7 +34,7 @@ def _max_fused(a, b, rows, cols, k, ld, lanes):
     c = np.zeros(rows * ld, dtype=a.dtype)
     maxima = np.empty(rows, dtype=a.dtype)
     tile_product_max(c, 0, ld, a, 0, k, 1, b, 0, k, rows, cols, k,
-                     np.empty(rows * lanes, dtype=a.dtype), maxima)
+                     np.empty(rows * lanes, dtype=a.dtype), maxima, False)
     return c, maxima
 
 
@@ -45,11 +47,15 @@ def _rescale_two_steps(acc, alpha, a, b, rows, cols, b_rows, k, lda, portable):
 
 @numba.njit
 def _rescale_fused(acc, alpha, a, b, rows, cols, b_rows, k, lda, portable):
-    tile_product_rescale(acc, cols, a, 0, lda, 1, b, 0, b_rows, rows, cols, k, alpha,
-                         np.empty(rows * cols, dtype=a.dtype), portable)
+    tile_product_rescale(acc, 0, cols, a, 0, lda, 1, b, 0, 0, b_rows, rows, cols, k, alpha, 0,
+                         alpha, 0, np.empty(rows * cols, dtype=a.dtype), portable)
 
 
-SHAPES = [(MR, LANES, 3), (2 * MR + 1, 9 * LANES, 17), (1, 4 * LANES, 64), (MR - 1, 2 * LANES, 5)]
+PANEL = config.MICRO_VECS * LANES
+# rows: whole micro-tiles (as the kernels' query blocks); cols: whole panels, or a narrower last
+# panel (Dv not a multiple of the panel width), which the row-max and dS products never get
+SHAPES = [(MR, PANEL, 3), (3 * MR, 2 * PANEL, 17), (2 * MR, PANEL, 64)]
+NARROW = [(MR, LANES, 3), (2 * MR, 2 * PANEL + LANES, 17), (MR, PANEL + 3 * LANES, 5)]
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -75,7 +81,7 @@ def test_product_max_equals_product_then_row_max(dtype, rows, cols, k):
 
 @pytest.mark.parametrize("portable", [False, True], ids=["simd", "portable"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("rows,cols,k", SHAPES)
+@pytest.mark.parametrize("rows,cols,k", SHAPES + NARROW)
 def test_product_rescale_equals_product_then_rescale_add(portable, dtype, rows, cols, k):
     lanes = config.VECTOR_BYTES // np.dtype(dtype).itemsize
     cols = max(lanes, cols // LANES * lanes)
@@ -105,3 +111,76 @@ def _panels_product(a, b, rows, cols, b_rows, k, lda, lanes):
         dense[:, c0:c0 + w] = b[c0 * b_rows:c0 * b_rows + b_rows * w].reshape(b_rows, w)
     a2 = a[:rows * lda].reshape(rows, lda)[:, :k].astype(np.float64)
     return a2 @ dense[:k]
+
+
+@numba.njit
+def _backward_two_steps(kind, c, e, f, a, b, rows, cols, k, ldc, portable):
+    """A read transposed (``a_rs = 1``, as dS^T and P^T are), B row-major: the backward's form."""
+    x = np.zeros(rows * ldc, dtype=a.dtype)
+    tile_product(x, 0, ldc, a, 0, 1, rows, b, 0, cols, 1, rows, cols, k, False, portable)
+    if kind == 0:
+        add_into(c, 0, x, rows * ldc, portable)
+    elif kind == 1:
+        add_into_compensated(c, e, x, rows * ldc, portable)
+    else:  # c holds dP: the pass reads it from c, with P in e
+        for r in range(rows):
+            for j in range(cols):
+                c[r * ldc + j] = x[r * ldc + j]
+        for r in range(rows):
+            softmax_grad_row(e, c, r * ldc, cols, f[r], portable)
+
+
+@numba.njit
+def _backward_fused(kind, c, e, f, a, b, rows, cols, k, ldc, portable):
+    scratch = np.empty(rows * cols, dtype=a.dtype)
+    if kind == 0:
+        tile_product_add(c, 0, ldc, a, 0, 1, rows, b, 0, cols, 1, rows, cols, k, e, 0, f, 0,
+                         scratch, portable)
+    elif kind == 1:
+        tile_product_kahan(c, 0, ldc, a, 0, 1, rows, b, 0, cols, 1, rows, cols, k, e, 0, f, 0,
+                           scratch, portable)
+    else:
+        tile_product_softmax_grad(c, 0, ldc, a, 0, 1, rows, b, 0, cols, 1, rows, cols, k, e, 0,
+                                  f, 0, scratch, portable)
+
+
+BACKWARD_CASES = ([pytest.param(kind, *shape, id=f"{name}-{shape}")
+                   for kind, name in ((0, "add"), (1, "kahan")) for shape in SHAPES + NARROW]
+                  + [pytest.param(2, *shape, id=f"softmax_grad-{shape}")  # whole key tiles only
+                     for shape in SHAPES])
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["simd", "portable"])
+@pytest.mark.parametrize("kind,rows,cols,k", BACKWARD_CASES)
+def test_backward_epilogues_equal_their_passes(portable, kind, rows, cols, k):
+    rng = np.random.default_rng(kind * 7 + rows + cols + k)
+    lanes = LANES
+    ldc = cols  # the passes it replaces run over whole contiguous rows (dK, dV, dQ)
+    if kind == 2:
+        ldc = cols + lanes  # S and dS rows one vector longer (forward.py)
+    a = rng.standard_normal(k * rows).astype(np.float32)
+    b = rng.standard_normal(k * cols).astype(np.float32)
+    c0 = rng.standard_normal(rows * ldc).astype(np.float32) * 1e3  # a running sum
+    e0 = (rng.standard_normal(rows * ldc) * 1e-5).astype(np.float32)  # compensation terms
+    if kind == 2:  # P: with exact zeros (masked keys) and one NaN
+        e0 = rng.random(rows * ldc).astype(np.float32)
+        e0[::3] = 0.0
+        e0[1] = np.nan
+    f = rng.standard_normal(rows).astype(np.float32)  # delta
+    results = []
+    for fn in (_backward_two_steps, _backward_fused):
+        c, e = c0.copy(), e0.copy()
+        fn(kind, c, e, f, a, b, rows, cols, k, ldc, portable)
+        results.append((c, e))
+    (c2, e2), (c1, e1) = results
+    assert np.array_equal(c1, c2, equal_nan=True)
+    assert np.array_equal(e1, e2, equal_nan=True)
+    product = a.reshape(k, rows).T.astype(np.float64) @ b.reshape(k, cols).astype(np.float64)
+    got = c1.reshape(rows, ldc)[:, :cols]
+    if kind == 2:
+        p = e0.reshape(rows, ldc)[:, :cols]
+        expect = np.where(p != 0, p * (product - f[:, None]), 0.0)
+        assert np.isnan(got.flat[1]) == np.isnan(expect.flat[1])
+    else:
+        expect = c0.reshape(rows, ldc)[:, :cols] + product
+    np.testing.assert_allclose(got, expect, rtol=1e-5, atol=1e-4 * np.sqrt(k))

@@ -32,8 +32,8 @@ from .masking import (HIDDEN, MIXED, apply_user_mask, mask_tile, tile_key_range,
 from .dropout import dropout_row
 from .scores import modify_row, tanh_grad_row
 from .pack import empty, pack_scaled_rows, packed_rows, packed_transposed, workspace
-from .tiles import (add_into, add_into_compensated, exp2_shifted2, softmax_grad_row,
-                    tile_product)
+from .tiles import (exp2_shifted2, softmax_grad_row, tile_product_add, tile_product_kahan,
+                    tile_product_softmax_grad, tile_product_store)
 
 LN2 = math.log(2.0)
 LOG2_E = 1.0 / LN2
@@ -85,9 +85,13 @@ def backward(qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad
         dv_acc = np.empty(block_k * dv_pad, dtype=dk.dtype)
         dk_comp = np.empty(block_k * d_pad, dtype=dk.dtype)  # Kahan compensation terms
         dv_comp = np.empty(block_k * dv_pad, dtype=dk.dtype)
-        dk_part = np.empty(block_k * d_pad, dtype=dk.dtype)  # one query block's products
-        dv_part = np.empty(block_k * dv_pad, dtype=dk.dtype)
-        dq_tile = np.empty(block_q * d_pad, dtype=dk.dtype)
+        # The portable kernels form each product here before adding it (the SIMD ones finish
+        # each product in registers: see tiles._product_with_epilogue).
+        n_part = 1 if portable else 0
+        dk_part = np.empty(n_part * block_k * d_pad, dtype=dk.dtype)
+        dv_part = np.empty(n_part * block_k * dv_pad, dtype=dk.dtype)
+        dq_tile = np.empty(n_part * block_q * d_pad, dtype=dk.dtype)
+        dp_tile = np.empty(n_part * block_q * block_k, dtype=dk.dtype)  # S, dP
         lse_r = np.empty(block_q, dtype=dk.dtype)
         lse_lo = np.empty(block_q, dtype=dk.dtype)
         delta_r = np.empty(block_q, dtype=dk.dtype)
@@ -132,8 +136,9 @@ def backward(qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad
                     # The same product, on the same packed operands, as the forward pass: P
                     # comes out as the forward's probabilities, consistent with its lse
                     # (measured: scaling S here instead doubles the dQ error).
-                    tile_product(s, 0, ld_s, qa, qa_off, d_pad, 1, kt_flat,
-                                 tile * d * block_k, 0, d, block_q, block_k, d, False, portable)
+                    tile_product_store(s, 0, ld_s, qa, qa_off, d_pad, 1, kt_flat,
+                                       tile * d * block_k, 0, d, block_q, block_k, d, s, 0, s, 0,
+                                       dp_tile, portable)
                     if modify:
                         for r in range(rows):
                             modify_row(s, r * ld_s, block_k, q0 + r + n_k - n_q, k0,
@@ -148,15 +153,21 @@ def backward(qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad
                         exp2_shifted2(s, r * ld_s, block_k, lse_r[r], lse_lo[r], portable)
                     # Padding rows: P = 0 exactly, even where a NaN key made their score NaN.
                     s[rows * ld_s:] = 0.0
-                    tile_product(ds, 0, ld_s, doa, doa_off, dv_pad, 1, vtt_flat,
-                                 tile * n_dv * block_k, 0, n_dv, block_q, block_k, n_dv,
-                                 False, portable)
-                    if drop_below > 0:  # dP of the dropped P: the same keys drop, same scale
+                    # dP = dO V^T, then dS = P * (dP - delta) (dropout first drops dP's keys)
+                    if drop_below > 0:
+                        tile_product_store(ds, 0, ld_s, doa, doa_off, dv_pad, 1, vtt_flat,
+                                           tile * n_dv * block_k, 0, n_dv, block_q, block_k,
+                                           n_dv, ds, 0, ds, 0, dp_tile, portable)
                         for r in range(rows):
                             dropout_row(ds, r * ld_s, block_k, seed,
                                         (b * n_hq + h) * n_q + q0 + r, k0, drop_below, inv_keep)
-                    for r in range(block_q):
-                        softmax_grad_row(s, ds, r * ld_s, block_k, delta_r[r], portable)
+                        for r in range(block_q):
+                            softmax_grad_row(s, ds, r * ld_s, block_k, delta_r[r], portable)
+                    else:
+                        tile_product_softmax_grad(ds, 0, ld_s, doa, doa_off, dv_pad, 1, vtt_flat,
+                                                  tile * n_dv * block_k, 0, n_dv, block_q,
+                                                  block_k, n_dv, s, 0, delta_r, 0, dp_tile,
+                                                  portable)
                     if drop_below > 0:  # dV takes the dropped P
                         for r in range(rows):
                             dropout_row(s, r * ld_s, block_k, seed,
@@ -169,17 +180,16 @@ def backward(qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad
                     # one long running sum over every query row rounds more (measured at N=8192,
                     # causal: dV error 2.0e-6 that way; 2.2e-6 summing 4 blocks before each
                     # compensated add; 1.2e-6 this way; torch 1.3e-6).
-                    tile_product(dv_part, 0, dv_pad, s, 0, 1, ld_s, doa, doa_off, dv_pad, 1,
-                                 block_k, dv_pad, block_q, False, portable)
-                    add_into_compensated(dv_acc, dv_comp, dv_part, block_k * dv_pad, portable)
-                    tile_product(dk_part, 0, d_pad, ds, 0, 1, ld_s, qa, qa_off, d_pad, 1,
-                                 block_k, d_pad, block_q, False, portable)
-                    add_into_compensated(dk_acc, dk_comp, dk_part, block_k * d_pad, portable)
-                    tile_product(dq_tile, 0, d_pad, ds, 0, ld_s, 1, kn_flat,
-                                 tile * block_k * d_pad, 0, block_k, block_q, d_pad, n_valid,
-                                 False, portable)
+                    tile_product_kahan(dv_acc, 0, dv_pad, s, 0, 1, ld_s, doa, doa_off, dv_pad,
+                                       1, block_k, dv_pad, block_q, dv_comp, 0, dv_comp, 0,
+                                       dv_part, portable)
+                    tile_product_kahan(dk_acc, 0, d_pad, ds, 0, 1, ld_s, qa, qa_off, d_pad, 1,
+                                       block_k, d_pad, block_q, dk_comp, 0, dk_comp, 0, dk_part,
+                                       portable)
                     dq_off = (((chunk * n_b + b) * n_hq + h) * rows_padded + q0) * d_pad
-                    add_into(dq_flat, dq_off, dq_tile, block_q * d_pad, portable)
+                    tile_product_add(dq_flat, dq_off, d_pad, ds, 0, ld_s, 1, kn_flat,
+                                     tile * block_k * d_pad, 0, block_k, block_q, d_pad, n_valid,
+                                     dq_flat, 0, dq_flat, 0, dq_tile, portable)
             for j in range(n_valid):
                 for dd in range(d):
                     dk[b, hk, k0 + j, dd] = dk_acc[j * d_pad + dd] * LN2  # Q carried log2(e)

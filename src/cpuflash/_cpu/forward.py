@@ -38,8 +38,7 @@ from .masking import (HIDDEN, MIXED, apply_user_mask, mask_tile, tile_key_range,
                       tile_needs_mask)
 from .dropout import dropout_row
 from .scores import modify_row
-from .tiles import (divide_row, online_softmax, row_max, tile_product, tile_product_max,
-                    tile_product_rescale)
+from .tiles import divide_row, online_softmax, row_max, tile_product_max, tile_product_rescale
 
 LN2 = math.log(2.0)
 LOG2_E = 1.0 / LN2
@@ -114,15 +113,11 @@ def forward(q, kt, vt, block_q, scale2, left, right, kv_lens, softcap2, slopes2,
             k0 = kb * block_k
             k_off = (bh_kv * kt.shape[1] + kb) * tile_k
             v_off = (bh_kv * vt.shape[1] + kb) * tile_v
-            # Without modifiers the row maxima come from the product's registers (a pass over
-            # S saved); a mask below only lowers scores, and its passes say what they leave.
-            max_given = not modify and not portable
-            if max_given:
-                tile_product_max(s, 0, ld_s, q_s, 0, d, 1, kt_flat, k_off, d, block_q, block_k,
-                                 d, row_vmax, tile_max)
-            else:
-                tile_product(s, 0, ld_s, q_s, 0, d, 1, kt_flat, k_off, 0, d, block_q, block_k,
-                             d, False, portable)
+            tile_product_max(s, 0, ld_s, q_s, 0, d, 1, kt_flat, k_off, d, block_q, block_k, d,
+                             row_vmax, tile_max, portable)
+            # The row maxima came with the product (a pass over S saved); the modifiers and
+            # masks below say whether they still hold.
+            max_given = not modify
             if modify:
                 for r in range(rows):
                     modify_row(s, r * ld_s, block_k, q0 + r + n_k - n_q, k0, softcap2,
@@ -149,8 +144,8 @@ def forward(q, kt, vt, block_q, scale2, left, right, kv_lens, softcap2, slopes2,
             # This tile's P @ V on its own, then acc = alpha * acc + it: each tile's sum is short,
             # which keeps float32 rounding lower than one long running sum over all keys.
             n_valid = min(block_k, n_k - k0)  # keys past kv_len have P = 0: V rows never read
-            tile_product_rescale(acc, dv_pad, s, 0, ld_s, 1, vt_flat, v_off, block_k, block_q,
-                                 dv_pad, n_valid, alpha_i, pv, portable)
+            tile_product_rescale(acc, 0, dv_pad, s, 0, ld_s, 1, vt_flat, v_off, 0, block_k,
+                                 block_q, dv_pad, n_valid, alpha_i, 0, alpha_i, 0, pv, portable)
         for r in range(rows):
             if l_i[r] == 0.0:  # the row sees no key: output 0, lse -inf
                 for c in range(dv):

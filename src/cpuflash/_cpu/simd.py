@@ -431,22 +431,18 @@ def _make_gemm(mr, nv, accumulate, prefetch=False, epilogue=None):
     hints the same row ``pf`` elements further on into the caches: the next tile of a stream
     (the decode kernel's K/V), one line per hint, spread evenly over the products.
 
-    ``epilogue`` (set mode only): the gemm takes two more arguments, ``e`` (an array of C's
-    type) and ``e_off``, and does one more step while the products are still in registers,
-    saving a pass over C from memory:
-
-    * ``"rescale"``: ``C[r, :] = e[e_off + r] * C[r, :] + product`` (one fused multiply-add per
-      vector, the same rounding as ``tiles.rescale_add`` on a stored product).
-    * ``"rowmax"``: ``C = product``, and ``e[e_off + r*W : +W] = vmax(that vector, the row's
-      product vectors)``: lane-wise running row maxima, NaN passed over as by ``vmax``.
+    ``epilogue`` (set mode only): the gemm takes four more arguments, ``e, e_off, f, f_off``
+    (arrays of C's type and offsets into them), and finishes each row in registers, saving a
+    pass over C through memory (see ``EPILOGUES``).
     """
-    n_extra = int(prefetch) + (2 if epilogue else 0)
+    n_extra = int(prefetch) + (4 if epilogue else 0)
 
     def typer(c, a, b, extra):
         vt = _vec_of(c)
         if vt is None or _vec_of(a) != vt or not _storage_ok(b, vt):  # B: a V cache, say
             return None
-        if epilogue and not (isinstance(extra[0], types.Array) and extra[0].dtype == vt.dtype):
+        if epilogue and not all(isinstance(x, types.Array) and x.dtype == vt.dtype
+                                for x in (extra[0], extra[2])):
             return None
         ip = types.intp
         sig = types.void(c, ip, ip, a, ip, ip, ip, b, ip, ip, ip, *extra)
@@ -490,23 +486,15 @@ def _make_gemm(mr, nv, accumulate, prefetch=False, epilogue=None):
                         acc = builder.load(accs[r][v])
                         builder.store(_fma(builder, a_val, b_vecs[v], acc), accs[r][v])
             if epilogue:
-                e_base = _elem_ptr(context, builder, sig.args[-2], args[-2], args[-1])
+                e_base = _elem_ptr(context, builder, sig.args[11], args[11], args[12])
+                f_base = _elem_ptr(context, builder, sig.args[13], args[13], args[14])
             for r in range(mr):
                 products = [builder.load(accs[r][v]) for v in range(nv)]
-                if epilogue == "rescale":
-                    alpha = _splat(builder, builder.load(
-                        builder.gep(e_base, [ir.Constant(ldc.type, r)])), lvt)
-                    products = [_fma(builder, builder.load(c_ptr(r, v), align=align), alpha, p)
-                                for v, p in enumerate(products)]
+                if epilogue:
+                    products = _finish_row(builder, epilogue, products, r, c_ptr, e_base, f_base,
+                                           ldc, lvt, align)
                 for v in range(nv):
                     builder.store(products[v], c_ptr(r, v), align=align)
-                if epilogue == "rowmax":
-                    e_ptr = _vec_ptr(builder, builder.gep(
-                        e_base, [ir.Constant(ldc.type, r * width)]), lvt)
-                    best = builder.load(e_ptr, align=align)
-                    for p in products:  # vmax(running, new)
-                        best = builder.select(builder.fcmp_ordered(">", p, best), p, best)
-                    builder.store(best, e_ptr, align=align)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -523,14 +511,77 @@ def _make_gemm(mr, nv, accumulate, prefetch=False, epilogue=None):
             return typer(c, a, b, (types.intp,))
 
         return gemm_pf
-    assert not prefetch and not accumulate
+    assert not prefetch and not accumulate and epilogue in EPILOGUES
 
     @intrinsic
     def gemm_epilogue(typingctx, c, c_off, ldc, a, a_off, a_rs, a_ks, b, b_off, ldb, k, e,
-                      e_off):
-        return typer(c, a, b, (e, types.intp))
+                      e_off, f, f_off):
+        return typer(c, a, b, (e, types.intp, f, types.intp))
 
     return gemm_epilogue
+
+
+# What a gemm's epilogue does with the product ``p`` of row r. "C's layout": an array indexed as
+# C, element (r, c) at offset + r * ldc + c; "per row": one value per row, at offset + r.
+#   store:        C = p.
+#   rowmax:       C = p; e (W values per row) = vmax(e, p's vectors): lane-wise running row
+#                 maxima, NaN passed over as by ``vmax``.
+#   rescale:      C = e[r] * C + p, one fused multiply-add (as tiles.rescale_add).
+#   add:          C = C + p (as tiles.add_into).
+#   kahan:        C += p with Kahan compensation in e, C's layout (as tiles.add_into_compensated).
+#   softmax_grad: C = e * (p - f[r]) where e != 0 (NaN counts), else 0 (as
+#                 tiles.softmax_grad_row): dS from dP, with e = P in C's layout, f = delta.
+# Each does the same operations in the same order as the pass it replaces: the same bits.
+EPILOGUES = ("store", "rowmax", "rescale", "add", "kahan", "softmax_grad")
+
+
+def _finish_row(builder, epilogue, products, r, c_ptr, e_base, f_base, ldc, lvt, align):
+    """The epilogue's IR for row ``r`` (see ``EPILOGUES``); returns what to store in C (the
+    rowmax epilogue also stores its maxima)."""
+    width = lvt.count
+    idx = ldc.type
+
+    def same_layout(base, v):  # row r, vector v of an array laid out as C
+        off = builder.add(builder.mul(ir.Constant(idx, r), ldc), ir.Constant(idx, v * width))
+        return _vec_ptr(builder, builder.gep(base, [off]), lvt)
+
+    def of_row(base):
+        return _splat(builder, builder.load(builder.gep(base, [ir.Constant(idx, r)])), lvt)
+
+    c_old = [builder.load(c_ptr(r, v), align=align) for v in range(len(products))] \
+        if epilogue in ("rescale", "add", "kahan") else None
+    if epilogue == "store":
+        return products
+    if epilogue == "rowmax":
+        e_ptr = _vec_ptr(builder, builder.gep(e_base, [ir.Constant(idx, r * width)]), lvt)
+        best = builder.load(e_ptr, align=align)
+        for p in products:  # vmax(running, new)
+            best = builder.select(builder.fcmp_ordered(">", p, best), p, best)
+        builder.store(best, e_ptr, align=align)
+        return products
+    if epilogue == "rescale":
+        alpha = of_row(e_base)
+        return [_fma(builder, c, alpha, p) for c, p in zip(c_old, products)]
+    if epilogue == "add":
+        return [builder.fadd(c, p) for c, p in zip(c_old, products)]
+    if epilogue == "kahan":
+        out = []
+        for v, (a, x) in enumerate(zip(c_old, products)):
+            comp_ptr = same_layout(e_base, v)
+            y = builder.fsub(x, builder.load(comp_ptr, align=align))
+            t = builder.fadd(a, y)
+            builder.store(builder.fsub(builder.fsub(t, a), y), comp_ptr, align=align)
+            out.append(t)
+        return out
+    assert epilogue == "softmax_grad"
+    delta = of_row(f_base)
+    zero = ir.Constant(lvt, None)
+    out = []
+    for v, dp in enumerate(products):
+        prob = builder.load(same_layout(e_base, v), align=align)
+        ds = builder.fmul(prob, builder.fsub(dp, delta))
+        out.append(builder.select(builder.fcmp_unordered("!=", prob, zero), ds, zero))
+    return out
 
 
 DOT_UNROLL = 4  # head-dim vectors per straight-line block of vdot_keys (D = 64 in float32)

@@ -67,24 +67,90 @@ def _micro_ahead_dispatch(mr):
     return helper(micro)
 
 
-def _micro_epilogue_dispatch(mr, epilogue):
-    """``micro(c, ..., k, nv, e, e_off)``: as ``_micro_dispatch``'s in set mode, with one of
-    ``simd._make_gemm``'s epilogues."""
-    g1, g2, g3, g4 = [simd._make_gemm(mr, nv, accumulate=False, epilogue=epilogue)
+def _micro_epilogue_dispatch(epilogue, whole_panels):
+    """``micro(c, ..., k, nv, e, e_off, f, f_off)``: ``MR`` rows as ``_micro_dispatch``'s in
+    set mode, with one of ``simd.EPILOGUES``. ``whole_panels``: only ``nv = MAX_VECS`` is ever
+    asked for (a product over whole key tiles), so only that shape is built: each shape is
+    compiled into every kernel that calls the dispatch, and compile time grows with them."""
+    if whole_panels:
+        g = simd._make_gemm(MR, MAX_VECS, accumulate=False, epilogue=epilogue)
+
+        def micro_whole(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k, nv, e, e_off, f,
+                        f_off):
+            g(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k, e, e_off, f, f_off)
+
+        micro_whole.__name__ = micro_whole.__qualname__ = f"_micro_{epilogue}_whole"
+        return helper(micro_whole)
+    g1, g2, g3, g4 = [simd._make_gemm(MR, nv, accumulate=False, epilogue=epilogue)
                       for nv in range(1, 5)]
 
-    def micro(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k, nv, e, e_off):
+    def micro(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k, nv, e, e_off, f, f_off):
         if nv == 4:
-            g4(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k, e, e_off)
+            g4(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k, e, e_off, f, f_off)
         elif nv == 3:
-            g3(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k, e, e_off)
+            g3(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k, e, e_off, f, f_off)
         elif nv == 2:
-            g2(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k, e, e_off)
+            g2(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k, e, e_off, f, f_off)
         else:
-            g1(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k, e, e_off)
+            g1(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k, e, e_off, f, f_off)
 
-    micro.__name__ = micro.__qualname__ = f"_micro_{epilogue}_{mr}rows"
+    micro.__name__ = micro.__qualname__ = f"_micro_{epilogue}"
     return helper(micro)
+
+
+# Where an epilogue's ``e`` holds row r's values (``simd.EPILOGUES``): one value per row, one
+# vector per row, or an array laid out as C (element (r, c) at e_off + r * ldc + c).
+E_PER_ROW, E_VECTOR_PER_ROW, E_AS_C = 0, 1, 2
+
+
+def _product_with_epilogue(epilogue, e_layout, whole_panels=False):
+    """``product(c, c_off, ldc, a, a_off, a_rs, a_ks, b, b_off, b_ld, b_panel, rows, cols, k,
+    e, e_off, f, f_off, scratch, portable)``: ``C[:rows, :cols] = epilogue(A @ B)``, A and B
+    addressed as by ``tile_product``, each micro-tile finished in registers (``simd.EPILOGUES``).
+    ``rows``: a multiple of ``MR`` (the kernels' query blocks are); ``whole_panels``: ``cols`` a
+    multiple of the panel width (whole key tiles). The portable form forms the product in
+    ``scratch`` (``rows * cols``) and finishes it element by element with the same operations.
+    """
+    micro = _micro_epilogue_dispatch(epilogue, whole_panels)
+
+    def product(c, c_off, ldc, a, a_off, a_rs, a_ks, b, b_off, b_ld, b_panel, rows, cols, k,
+                e, e_off, f, f_off, scratch, portable):
+        lanes = simd.lanes_of(c)
+        e_step = ldc if e_layout == E_AS_C else lanes if e_layout == E_VECTOR_PER_ROW else 1
+        if portable:
+            product_portable(scratch, 0, cols, a, a_off, a_rs, a_ks, b, b_off, b_ld, b_panel,
+                             rows, cols, k, False)
+            for r in range(rows):
+                for j in range(cols):
+                    i = c_off + r * ldc + j
+                    x = scratch[r * cols + j]
+                    ei = e_off + r * e_step + (j if e_layout == E_AS_C else 0)
+                    if epilogue == "rescale":
+                        c[i] = e[ei] * c[i] + x
+                    elif epilogue == "add":
+                        c[i] += x
+                    elif epilogue == "kahan":
+                        y = x - e[ei]
+                        t = c[i] + y
+                        e[ei] = (t - c[i]) - y
+                        c[i] = t
+                    elif epilogue == "softmax_grad":
+                        c[i] = e[ei] * (x - f[f_off + r]) if e[ei] != 0.0 else 0.0
+                    else:  # store; rowmax: tile_product_max's portable form finds the maxima
+                        c[i] = x
+            return
+        step = MAX_VECS * lanes
+        for c0 in range(0, cols, step):
+            width = min(step, cols - c0)
+            panel = b_off + c0 * b_panel
+            ldb = b_ld if b_ld > 0 else width
+            e_col = e_off + (c0 if e_layout == E_AS_C else 0)
+            for r0 in range(0, rows, MR):
+                micro(c, c_off + r0 * ldc + c0, ldc, a, a_off + r0 * a_rs, a_rs, a_ks, b, panel,
+                      ldb, k, width // lanes, e, e_col + r0 * e_step, f, f_off + r0)
+
+    product.__name__ = product.__qualname__ = f"tile_product_{epilogue}"
+    return helper(product)
 
 
 _micro_simd = _micro_dispatch(MR)
@@ -92,10 +158,26 @@ _micro_simd = _micro_dispatch(MR)
 _micro_row = _micro_dispatch(1)
 _micro_ahead = _micro_ahead_dispatch(MR)
 _micro_ahead_row = _micro_ahead_dispatch(1)
-_micro_rescale = _micro_epilogue_dispatch(MR, "rescale")
-_micro_rescale_row = _micro_epilogue_dispatch(1, "rescale")
-_micro_rowmax = _micro_epilogue_dispatch(MR, "rowmax")
-_micro_rowmax_row = _micro_epilogue_dispatch(1, "rowmax")
+
+
+@helper
+def product_portable(c, c_off, ldc, a, a_off, a_rs, a_ks, b, b_off, b_ld, b_panel, rows, cols,
+                     k, accumulate):
+    """``tile_product``'s portable form: plain loops, the same panels."""
+    step = MAX_VECS * simd.lanes_of(c)
+    for c0 in range(0, cols, step):
+        width = min(step, cols - c0)
+        panel = b_off + c0 * b_panel
+        ldb = b_ld if b_ld > 0 else width
+        for r in range(rows):
+            c_row = c_off + r * ldc + c0
+            if not accumulate:
+                for j in range(width):
+                    c[c_row + j] = 0.0
+            for kk in range(k):
+                a_rk = a[a_off + r * a_rs + kk * a_ks]
+                for j in range(width):
+                    c[c_row + j] += a_rk * b[panel + kk * ldb + j]
 
 
 @helper
@@ -112,81 +194,60 @@ def tile_product(c, c_off, ldc, a, a_off, a_rs, a_ks, b, b_off, b_ld, b_panel, r
     panel read with a row stride of a whole wide tile touches only some L1 sets and thrashes
     them (measured at D=128: -20 %); a contiguous panel uses all of them.
     """
+    if portable:
+        product_portable(c, c_off, ldc, a, a_off, a_rs, a_ks, b, b_off, b_ld, b_panel, rows,
+                         cols, k, accumulate)
+        return
     lanes = simd.lanes_of(c)
     step = MAX_VECS * lanes
+    whole = rows // MR * MR
     for c0 in range(0, cols, step):  # panels outer: one panel of B stays in L1 for all rows
         width = min(step, cols - c0)
         panel = b_off + c0 * b_panel
         ldb = b_ld if b_ld > 0 else width
-        if portable:
-            for r in range(rows):
-                c_row = c_off + r * ldc + c0
-                if not accumulate:
-                    for j in range(width):
-                        c[c_row + j] = 0.0
-                for kk in range(k):
-                    a_rk = a[a_off + r * a_rs + kk * a_ks]
-                    for j in range(width):
-                        c[c_row + j] += a_rk * b[panel + kk * ldb + j]
-        else:
-            whole = rows // MR * MR
-            for r0 in range(0, whole, MR):
-                _micro_simd(c, c_off + r0 * ldc + c0, ldc, a, a_off + r0 * a_rs, a_rs, a_ks,
-                            b, panel, ldb, k, width // lanes, accumulate)
-            for r in range(whole, rows):
-                _micro_row(c, c_off + r * ldc + c0, ldc, a, a_off + r * a_rs, a_rs, a_ks,
-                           b, panel, ldb, k, width // lanes, accumulate)
+        for r0 in range(0, whole, MR):
+            _micro_simd(c, c_off + r0 * ldc + c0, ldc, a, a_off + r0 * a_rs, a_rs, a_ks,
+                        b, panel, ldb, k, width // lanes, accumulate)
+        for r in range(whole, rows):
+            _micro_row(c, c_off + r * ldc + c0, ldc, a, a_off + r * a_rs, a_rs, a_ks,
+                       b, panel, ldb, k, width // lanes, accumulate)
+
+
+_product_rowmax = _product_with_epilogue("rowmax", E_VECTOR_PER_ROW, whole_panels=True)
+# C = A @ B over whole key tiles: the backward pass's S and dP. (A kernel that calls only the
+# products with epilogues compiles a few micro-kernel shapes, not tile_product's sixteen.)
+tile_product_store = _product_with_epilogue("store", E_PER_ROW, whole_panels=True)
+# acc[r, :] = alpha_i[r] * acc[r, :] + (A @ B)[r, :]: the forward pass's P V of one tile formed
+# on its own (a short sum), then added to the running output with one fused multiply-add.
+tile_product_rescale = _product_with_epilogue("rescale", E_PER_ROW)
+# C += A @ B: the backward pass's dQ partial (the product a short sum of its own, as above).
+tile_product_add = _product_with_epilogue("add", E_PER_ROW)
+# C += A @ B with Kahan compensation in e: the backward pass's dK and dV over query blocks.
+tile_product_kahan = _product_with_epilogue("kahan", E_AS_C)
+# dS = P * (dO V^T - delta) where P != 0, else 0: e = P, f = delta per row.
+tile_product_softmax_grad = _product_with_epilogue("softmax_grad", E_AS_C, whole_panels=True)
 
 
 @helper
 def tile_product_max(c, c_off, ldc, a, a_off, a_rs, a_ks, b, b_off, b_panel, rows, cols, k,
-                     row_vmax, tile_max):
-    """``C[:rows, :cols] = A[:rows, :k] @ B[:k, :cols]`` as ``tile_product`` (SIMD, B in packed
-    panels), and ``tile_max[r] = max(C[r, :cols])`` (NaN passed over, as ``row_max``), taken
-    from the registers as each micro-tile is stored: no second pass over C. ``row_vmax``:
-    scratch of ``rows`` vectors, the lane-wise maxima over the panels."""
+                     row_vmax, tile_max, portable):
+    """``C[:rows, :cols] = A[:rows, :k] @ B[:k, :cols]`` (B in packed panels; rows a multiple of
+    ``MR``, cols of the panel width) and ``tile_max[r] = max(C[r, :cols])``, NaN passed over as
+    by ``row_max``. The SIMD form takes the maxima from
+    the registers as each micro-tile is stored, no second pass over C; ``row_vmax``: scratch
+    of ``rows`` vectors, the lane-wise maxima over the panels."""
+    if portable:
+        product_portable(c, c_off, ldc, a, a_off, a_rs, a_ks, b, b_off, 0, b_panel, rows, cols,
+                         k, False)
+        for r in range(rows):
+            tile_max[r] = row_max(c, c_off + r * ldc, cols, True)
+        return
     lanes = simd.lanes_of(c)
-    step = MAX_VECS * lanes
-    whole = rows // MR * MR
     row_vmax[:rows * lanes] = -np.inf
-    for c0 in range(0, cols, step):
-        width = min(step, cols - c0)
-        panel = b_off + c0 * b_panel
-        for r0 in range(0, whole, MR):
-            _micro_rowmax(c, c_off + r0 * ldc + c0, ldc, a, a_off + r0 * a_rs, a_rs, a_ks,
-                          b, panel, width, k, width // lanes, row_vmax, r0 * lanes)
-        for r in range(whole, rows):
-            _micro_rowmax_row(c, c_off + r * ldc + c0, ldc, a, a_off + r * a_rs, a_rs, a_ks,
-                              b, panel, width, k, width // lanes, row_vmax, r * lanes)
+    _product_rowmax(c, c_off, ldc, a, a_off, a_rs, a_ks, b, b_off, 0, b_panel, rows, cols, k,
+                    row_vmax, 0, row_vmax, 0, row_vmax, False)
     for r in range(rows):
         tile_max[r] = simd.vhmax(simd.vload(row_vmax, r * lanes))
-
-
-@helper
-def tile_product_rescale(acc, ldc, a, a_off, a_rs, a_ks, b, b_off, b_panel, rows, cols, k,
-                         alpha_i, scratch, portable):
-    """``acc[r, :cols] = alpha_i[r] * acc[r, :cols] + (A @ B)[r, :]``, B in packed panels:
-    the product of one tile formed on its own (a short sum), then added to the running output
-    with one fused multiply-add per element, in the micro-kernel's registers (the SIMD form;
-    the portable form stores the product in ``scratch`` and calls ``rescale_add``: the same
-    arithmetic)."""
-    if portable:
-        tile_product(scratch, 0, ldc, a, a_off, a_rs, a_ks, b, b_off, 0, b_panel, rows, cols,
-                     k, False, True)
-        rescale_add(acc, scratch, ldc, rows, alpha_i, True)
-        return
-    lanes = simd.lanes_of(acc)
-    step = MAX_VECS * lanes
-    whole = rows // MR * MR
-    for c0 in range(0, cols, step):
-        width = min(step, cols - c0)
-        panel = b_off + c0 * b_panel
-        for r0 in range(0, whole, MR):
-            _micro_rescale(acc, r0 * ldc + c0, ldc, a, a_off + r0 * a_rs, a_rs, a_ks,
-                           b, panel, width, k, width // lanes, alpha_i, r0)
-        for r in range(whole, rows):
-            _micro_rescale_row(acc, r * ldc + c0, ldc, a, a_off + r * a_rs, a_rs, a_ks,
-                               b, panel, width, k, width // lanes, alpha_i, r)
 
 
 @helper
