@@ -233,9 +233,9 @@ def tile_product_max(c, c_off, ldc, a, a_off, a_rs, a_ks, b, b_off, b_panel, row
                      row_vmax, tile_max, portable):
     """``C[:rows, :cols] = A[:rows, :k] @ B[:k, :cols]`` (B in packed panels; rows a multiple of
     ``MR``, cols of the panel width) and ``tile_max[r] = max(C[r, :cols])``, NaN passed over as
-    by ``row_max``. The SIMD form takes the maxima from
-    the registers as each micro-tile is stored, no second pass over C; ``row_vmax``: scratch
-    of ``rows`` vectors, the lane-wise maxima over the panels."""
+    by ``row_max``. The SIMD form takes the maxima from the registers as each micro-tile is
+    stored, with no second pass over C; ``row_vmax``: scratch of ``rows`` vectors, the lane-wise
+    maxima over the panels."""
     if portable:
         product_portable(c, c_off, ldc, a, a_off, a_rs, a_ks, b, b_off, 0, b_panel, rows, cols,
                          k, False)
