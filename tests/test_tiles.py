@@ -10,13 +10,46 @@ import numpy as np
 import pytest
 
 from cpuflash import config
-from cpuflash._cpu.tiles import (add_into, add_into_compensated, rescale_add, row_max,
-                                 softmax_grad_row, tile_product, tile_product_add,
-                                 tile_product_kahan, tile_product_max, tile_product_rescale,
-                                 tile_product_softmax_grad)
+from cpuflash._cpu import simd
+from cpuflash._cpu.tiles import (rescale_add, row_max, softmax_grad_row, tile_product,
+                                 tile_product_add, tile_product_kahan, tile_product_max,
+                                 tile_product_rescale, tile_product_softmax_grad)
 
 MR = config.MICRO_ROWS
 LANES = config.VECTOR_BYTES // 4  # float32
+
+
+# The backward pass's passes over a stored product before stop 18, which the "add" and "kahan"
+# epilogues replaced (the same operations, in the same order).
+@numba.njit(fastmath={"contract"})
+def add_into(acc, off, x, n, portable):
+    """``acc[off:off+n] += x[:n]`` (n whole vectors)."""
+    if portable:
+        for j in range(n):
+            acc[off + j] += x[j]
+        return
+    lanes = simd.lanes_of(acc)
+    for j in range(0, n, lanes):
+        simd.vstore(acc, off + j, simd.vadd(simd.vload(acc, off + j), simd.vload(x, j)))
+
+
+@numba.njit(fastmath={"contract"})
+def add_into_compensated(acc, comp, x, n, portable):
+    """``acc[:n] += x[:n]`` with Kahan compensation carried in ``comp``."""
+    if portable:
+        for j in range(n):
+            y = x[j] - comp[j]
+            t = acc[j] + y
+            comp[j] = (t - acc[j]) - y
+            acc[j] = t
+        return
+    lanes = simd.lanes_of(acc)
+    for j in range(0, n, lanes):
+        a = simd.vload(acc, j)
+        y = simd.vsub(simd.vload(x, j), simd.vload(comp, j))
+        t = simd.vadd(a, y)
+        simd.vstore(comp, j, simd.vsub(simd.vsub(t, a), y))
+        simd.vstore(acc, j, t)
 
 
 @numba.njit

@@ -527,11 +527,14 @@ def _make_gemm(mr, nv, accumulate, prefetch=False, epilogue=None):
 #   rowmax:       C = p; e (W values per row) = vmax(e, p's vectors): lane-wise running row
 #                 maxima, NaN passed over as by ``vmax``.
 #   rescale:      C = e[r] * C + p, one fused multiply-add (as tiles.rescale_add).
-#   add:          C = C + p (as tiles.add_into).
-#   kahan:        C += p with Kahan compensation in e, C's layout (as tiles.add_into_compensated).
+#   add:          C = C + p.
+#   kahan:        C += p with Kahan compensation in e, C's layout: y = p - e; t = C + y;
+#                 e = (t - C) - y; C = t (the running sum's rounding error stays O(eps) however
+#                 many blocks are added; no reassociation, which the fastmath flags forbid).
 #   softmax_grad: C = e * (p - f[r]) where e != 0 (NaN counts), else 0 (as
 #                 tiles.softmax_grad_row): dS from dP, with e = P in C's layout, f = delta.
-# Each does the same operations in the same order as the pass it replaces: the same bits.
+# Each does the same operations in the same order as the pass over a stored product that it
+# replaced (tests/test_tiles.py keeps those passes and checks the bits).
 EPILOGUES = ("store", "rowmax", "rescale", "add", "kahan", "softmax_grad")
 
 

@@ -423,36 +423,3 @@ def softmax_grad_row(p, dp, off, n, delta, portable):
         p_v = simd.vload(p, j)
         ds = simd.vmul(p_v, simd.vsub(simd.vload(dp, j), delta_v))
         simd.vstore(dp, j, simd.vselect_nonzero(p_v, ds, zero))
-
-
-@helper
-def add_into(acc, off, x, n, portable):
-    """``acc[off:off+n] += x[:n]`` (n whole vectors)."""
-    if portable:
-        for j in range(n):
-            acc[off + j] += x[j]
-        return
-    lanes = simd.lanes_of(acc)
-    for j in range(0, n, lanes):
-        simd.vstore(acc, off + j, simd.vadd(simd.vload(acc, off + j), simd.vload(x, j)))
-
-
-@helper
-def add_into_compensated(acc, comp, x, n, portable):
-    """``acc[:n] += x[:n]`` with Kahan compensation carried in ``comp``: the running sum's
-    rounding error stays O(eps) however many tiles are added (needs no reassociation, which
-    the kernels' fastmath flags do not allow)."""
-    if portable:
-        for j in range(n):
-            y = x[j] - comp[j]
-            t = acc[j] + y
-            comp[j] = (t - acc[j]) - y
-            acc[j] = t
-        return
-    lanes = simd.lanes_of(acc)
-    for j in range(0, n, lanes):
-        a = simd.vload(acc, j)
-        y = simd.vsub(simd.vload(x, j), simd.vload(comp, j))
-        t = simd.vadd(a, y)
-        simd.vstore(comp, j, simd.vsub(simd.vsub(t, a), y))
-        simd.vstore(acc, j, t)
