@@ -85,9 +85,11 @@ def _rescale_fused(acc, alpha, a, b, rows, cols, b_rows, k, lda, portable):
 
 
 PANEL = config.MICRO_VECS * LANES
-# rows: whole micro-tiles (as the kernels' query blocks); cols: whole panels, or a narrower last
-# panel (Dv not a multiple of the panel width), which the row-max and dS products never get
-SHAPES = [(MR, PANEL, 3), (3 * MR, 2 * PANEL, 17), (2 * MR, PANEL, 64)]
+# rows: whole micro-tiles and a rest (a key tile's 64 rows with MR = 6 on AVX2: dK, dV); cols:
+# whole panels, or a narrower last panel (Dv not a multiple of the panel width), which the
+# row-max and dS products never get
+SHAPES = [(MR, PANEL, 3), (3 * MR, 2 * PANEL, 17), (2 * MR, PANEL, 64), (2 * MR + 1, PANEL, 9),
+          (max(1, MR - 1), 2 * PANEL, 5)]
 NARROW = [(MR, LANES, 3), (2 * MR, 2 * PANEL + LANES, 17), (MR, PANEL + 3 * LANES, 5)]
 
 

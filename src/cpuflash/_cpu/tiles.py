@@ -67,21 +67,21 @@ def _micro_ahead_dispatch(mr):
     return helper(micro)
 
 
-def _micro_epilogue_dispatch(epilogue, whole_panels):
-    """``micro(c, ..., k, nv, e, e_off, f, f_off)``: ``MR`` rows as ``_micro_dispatch``'s in
+def _micro_epilogue_dispatch(epilogue, whole_panels, mr=MR):
+    """``micro(c, ..., k, nv, e, e_off, f, f_off)``: ``mr`` rows as ``_micro_dispatch``'s in
     set mode, with one of ``simd.EPILOGUES``. ``whole_panels``: only ``nv = MAX_VECS`` is ever
     asked for (a product over whole key tiles), so only that shape is built: each shape is
     compiled into every kernel that calls the dispatch, and compile time grows with them."""
     if whole_panels:
-        g = simd._make_gemm(MR, MAX_VECS, accumulate=False, epilogue=epilogue)
+        g = simd._make_gemm(mr, MAX_VECS, accumulate=False, epilogue=epilogue)
 
         def micro_whole(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k, nv, e, e_off, f,
                         f_off):
             g(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k, e, e_off, f, f_off)
 
-        micro_whole.__name__ = micro_whole.__qualname__ = f"_micro_{epilogue}_whole"
+        micro_whole.__name__ = micro_whole.__qualname__ = f"_micro_{epilogue}_whole_{mr}rows"
         return helper(micro_whole)
-    g1, g2, g3, g4 = [simd._make_gemm(MR, nv, accumulate=False, epilogue=epilogue)
+    g1, g2, g3, g4 = [simd._make_gemm(mr, nv, accumulate=False, epilogue=epilogue)
                       for nv in range(1, 5)]
 
     def micro(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k, nv, e, e_off, f, f_off):
@@ -94,7 +94,7 @@ def _micro_epilogue_dispatch(epilogue, whole_panels):
         else:
             g1(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k, e, e_off, f, f_off)
 
-    micro.__name__ = micro.__qualname__ = f"_micro_{epilogue}"
+    micro.__name__ = micro.__qualname__ = f"_micro_{epilogue}_{mr}rows"
     return helper(micro)
 
 
@@ -107,11 +107,13 @@ def _product_with_epilogue(epilogue, e_layout, whole_panels=False):
     """``product(c, c_off, ldc, a, a_off, a_rs, a_ks, b, b_off, b_ld, b_panel, rows, cols, k,
     e, e_off, f, f_off, scratch, portable)``: ``C[:rows, :cols] = epilogue(A @ B)``, A and B
     addressed as by ``tile_product``, each micro-tile finished in registers (``simd.EPILOGUES``).
-    ``rows``: a multiple of ``MR`` (the kernels' query blocks are); ``whole_panels``: ``cols`` a
-    multiple of the panel width (whole key tiles). The portable form forms the product in
-    ``scratch`` (``rows * cols``) and finishes it element by element with the same operations.
+    Rows in blocks of ``MR``, then any rest one row at a time (the dK and dV products have a
+    key tile's rows: 64 with ``MR = 6`` on AVX2). ``whole_panels``: ``cols`` a multiple of the
+    panel width (whole key tiles). The portable form forms the product in ``scratch`` (``rows *
+    cols``) and finishes it element by element with the same operations.
     """
     micro = _micro_epilogue_dispatch(epilogue, whole_panels)
+    micro_row = _micro_epilogue_dispatch(epilogue, whole_panels, mr=1)
 
     def product(c, c_off, ldc, a, a_off, a_rs, a_ks, b, b_off, b_ld, b_panel, rows, cols, k,
                 e, e_off, f, f_off, scratch, portable):
@@ -140,14 +142,18 @@ def _product_with_epilogue(epilogue, e_layout, whole_panels=False):
                         c[i] = x
             return
         step = MAX_VECS * lanes
+        whole = rows // MR * MR
         for c0 in range(0, cols, step):
             width = min(step, cols - c0)
             panel = b_off + c0 * b_panel
             ldb = b_ld if b_ld > 0 else width
             e_col = e_off + (c0 if e_layout == E_AS_C else 0)
-            for r0 in range(0, rows, MR):
+            for r0 in range(0, whole, MR):
                 micro(c, c_off + r0 * ldc + c0, ldc, a, a_off + r0 * a_rs, a_rs, a_ks, b, panel,
                       ldb, k, width // lanes, e, e_col + r0 * e_step, f, f_off + r0)
+            for r in range(whole, rows):
+                micro_row(c, c_off + r * ldc + c0, ldc, a, a_off + r * a_rs, a_rs, a_ks, b,
+                          panel, ldb, k, width // lanes, e, e_col + r * e_step, f, f_off + r)
 
     product.__name__ = product.__qualname__ = f"tile_product_{epilogue}"
     return helper(product)
@@ -231,8 +237,8 @@ tile_product_softmax_grad = _product_with_epilogue("softmax_grad", E_AS_C, whole
 @helper
 def tile_product_max(c, c_off, ldc, a, a_off, a_rs, a_ks, b, b_off, b_panel, rows, cols, k,
                      row_vmax, tile_max, portable):
-    """``C[:rows, :cols] = A[:rows, :k] @ B[:k, :cols]`` (B in packed panels; rows a multiple of
-    ``MR``, cols of the panel width) and ``tile_max[r] = max(C[r, :cols])``, NaN passed over as
+    """``C[:rows, :cols] = A[:rows, :k] @ B[:k, :cols]`` (B in packed panels; cols a multiple of
+    the panel width) and ``tile_max[r] = max(C[r, :cols])``, NaN passed over as
     by ``row_max``. The SIMD form takes the maxima from the registers as each micro-tile is
     stored, with no second pass over C; ``row_vmax``: scratch of ``rows`` vectors, the lane-wise
     maxima over the panels."""
