@@ -28,9 +28,13 @@ def _host_features():
 HOST_FEATURES = _host_features()
 HOST_CPU = _llvm.get_host_cpu_name()
 
-if "avx512f" in HOST_FEATURES:
+# ``CPUFLASH_SIMD=avx2`` or ``128`` picks a narrower host's shapes on a wider one (LLVM lowers
+# the narrower vectors to the wider host's instructions), so that one machine's tests run the
+# tile loops of all three; anything else (the default): the host's own.
+_FORCED = os.environ.get("CPUFLASH_SIMD", "")
+if "avx512f" in HOST_FEATURES and _FORCED not in ("avx2", "128"):
     VECTOR_BYTES, MICRO_ROWS, MICRO_VECS = 64, 4, 4
-elif "avx2" in HOST_FEATURES or "avx" in HOST_FEATURES:
+elif ("avx2" in HOST_FEATURES or "avx" in HOST_FEATURES) and _FORCED != "128":
     VECTOR_BYTES, MICRO_ROWS, MICRO_VECS = 32, 6, 2
 else:
     VECTOR_BYTES, MICRO_ROWS, MICRO_VECS = 16, 6, 2

@@ -1,0 +1,51 @@
+"""The kernels with the tile shapes of a narrower host (AVX2: 6 x 16 micro-tiles, 48 x 64
+tiles), forced by ``CPUFLASH_SIMD`` on this one, in a subprocess (the shapes are fixed at
+import). Their tile loops have rests the AVX-512 shapes never have: a key tile of 64 rows is not
+a whole number of 6-row micro-tiles (the dK and dV products). Forward, backward and decode
+against the float64 reference. (128-bit SIMD, ``CPUFLASH_SIMD=128``: 6 x 8 micro-tiles, 48 x 32
+tiles, the same 6 rows; not run here, to keep the suite's compile time down.)"""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from cpuflash import config
+
+SCRIPT = r"""
+import numpy as np
+import cpuflash
+from cpuflash import config, reference
+assert config.VECTOR_BYTES == {vector_bytes}, config.describe()
+rng = np.random.default_rng(0)
+worst = 0.0
+CASES = [(4, 2, 70, 130, 40, 24, True), (2, 2, 97, 97, 64, 64, False),
+         (2, 1, 3, 300, 32, 32, True)]  # (Hq, Hkv, Nq, Nk, D, Dv, causal); the last: decode
+for (h, h_kv, n_q, n_k, d, dv, causal) in CASES:
+    q = rng.standard_normal((1, h, n_q, d))
+    k = rng.standard_normal((1, h_kv, n_k, d))
+    v = rng.standard_normal((1, h_kv, n_k, dv))
+    dout = rng.standard_normal((1, h, n_q, dv))
+    # float32 only: each dtype compiles its own kernels, and these shapes compile them afresh
+    args = [x.astype(np.float32) for x in (q, k, v)]
+    out, lse = cpuflash.attention(*args, causal=causal, return_lse=True)
+    ref = reference.attention(q, k, v, causal=causal)
+    grads = cpuflash.attention_backward(dout.astype(np.float32), *args, out, lse, causal=causal)
+    ref_grads = reference.attention_backward(dout, q, k, v, causal=causal)
+    for got, want in [(out, ref), *zip(grads, ref_grads)]:
+        err = float(np.max(np.abs(got - want)))
+        worst = max(worst, err)
+        assert err < 1e-4, (h, n_q, n_k, d, causal, err)
+print("ok", worst)
+"""
+
+
+@pytest.mark.parametrize("simd,vector_bytes", [("avx2", 32)])
+def test_narrower_hosts_tile_shapes(simd, vector_bytes):
+    if config.VECTOR_BYTES < vector_bytes:
+        pytest.skip("this host's shapes are already these or narrower")
+    env = dict(os.environ, CPUFLASH_SIMD=simd)
+    proc = subprocess.run([sys.executable, "-c", SCRIPT.format(vector_bytes=vector_bytes)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("ok"), proc.stdout
