@@ -49,3 +49,15 @@ def test_narrower_hosts_tile_shapes(simd, vector_bytes):
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.startswith("ok"), proc.stdout
+
+
+def test_unknown_setting_warns_and_keeps_the_hosts_shapes():
+    code = "from cpuflash import config; print(config.VECTOR_BYTES)"
+    host = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={k: v for k, v in os.environ.items() if k != "CPUFLASH_SIMD"},
+                          timeout=120)
+    typo = subprocess.run([sys.executable, "-W", "always", "-c", code], capture_output=True,
+                          text=True, env=dict(os.environ, CPUFLASH_SIMD="avx-2"), timeout=120)
+    assert host.returncode == 0 and typo.returncode == 0, host.stderr + typo.stderr
+    assert typo.stdout == host.stdout == f"{config.VECTOR_BYTES}\n"
+    assert "CPUFLASH_SIMD='avx-2'" in typo.stderr and "expected one of" in typo.stderr

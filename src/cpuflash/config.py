@@ -13,6 +13,7 @@ is keyed on the CPU name and features, never serves a kernel built for other til
   reused; the score tile ``BLOCK_Q x BLOCK_K`` is the working set of the softmax.
 """
 import os
+import warnings
 
 from llvmlite import binding as _llvm
 
@@ -30,8 +31,13 @@ HOST_CPU = _llvm.get_host_cpu_name()
 
 # ``CPUFLASH_SIMD=avx2`` or ``128`` picks a narrower host's shapes on a wider one (LLVM lowers
 # the narrower vectors to the wider host's instructions), so that one machine's tests run the
-# tile loops of all three; anything else (the default): the host's own.
+# tile loops of all three; unset or empty: the host's own. Another value is a typo: warned
+# about, and the host's shapes are used (a stray setting must not break ``import cpuflash``).
+SIMD_CHOICES = ("avx2", "128")
 _FORCED = os.environ.get("CPUFLASH_SIMD", "")
+if _FORCED and _FORCED not in SIMD_CHOICES:
+    warnings.warn(f"CPUFLASH_SIMD={_FORCED!r}: expected one of {SIMD_CHOICES} or unset; "
+                  "using this host's own tile shapes", RuntimeWarning, stacklevel=2)
 if "avx512f" in HOST_FEATURES and _FORCED not in ("avx2", "128"):
     VECTOR_BYTES, MICRO_ROWS, MICRO_VECS = 64, 4, 4
 elif ("avx2" in HOST_FEATURES or "avx" in HOST_FEATURES) and _FORCED != "128":
