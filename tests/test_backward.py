@@ -113,6 +113,34 @@ def test_vjp_matches_forward_and_backward():
         assert np.array_equal(a, b)
 
 
+def test_reused_gradient_buffers_are_rewritten_and_never_taken_while_held():
+    """The gradients come from a per-thread pool (pack.reusable): a dropped result's memory is
+    handed out again, and must then be written in full (zeros for the keys past kv_lens, which
+    no tile product touches); a result the caller still holds is never handed out."""
+    q, k, v, do = rands((2, 2, 40, 16), (2, 2, 150, 16), (2, 2, 150, 16), (2, 2, 40, 16))
+    kv_lens = np.array([150, 70])
+    opts = dict(kv_lens=kv_lens, causal=True)
+    out, lse = cpuflash.attention(q, k, v, return_lse=True, **opts)
+    want = reference.attention_backward(do, q, k, v, **opts)
+    first = cpuflash.attention_backward(do, q, k, v, out, lse, **opts)
+    held = [g.copy() for g in first]
+    for g in first:
+        g.fill(np.nan)
+    second = cpuflash.attention_backward(do, q, k, v, out, lse, **opts)
+    assert not any(np.shares_memory(a, b) for a, b in zip(first, second))  # held: not reused
+    assert all(np.isnan(g).all() for g in first)  # and not written
+    addresses = [g.ctypes.data for g in second]  # the pool keeps these alive: no new array there
+    for g in second:
+        g.fill(np.nan)  # what a reuse must overwrite everywhere
+    del second, g
+    third = cpuflash.attention_backward(do, q, k, v, out, lse, **opts)
+    assert [g.ctypes.data for g in third] == addresses  # dropped: reused
+    for name, got, again, ref in zip("qkv", third, held, want):
+        assert np.array_equal(got, again), name
+        assert np.max(np.abs(got - ref)) < 1e-5, name
+    assert not np.any(third[1][1, :, 70:]) and not np.any(third[2][1, :, 70:])
+
+
 def test_plain_page_arrays(monkeypatch):
     """Arrays from ``pack.PLAIN_PAGES_FROM_BYTES`` on come from their own mapping of plain
     pages (``pack.empty``). With the threshold at 1 byte every output, gradient, packed K/V

@@ -144,6 +144,21 @@ def test_requires_grad_paths():
         assert ct.scaled_dot_product_attention(q, k, v).grad_fn is None
 
 
+def test_gradients_held_by_torch_are_never_reused():
+    """cpuflash's gradient buffers are reused once nothing refers to them (pack.reusable): the
+    tensors that torch.from_numpy made of one backward pass keep theirs."""
+    q, k, v = tensors((1, 2, 20, 8), (1, 2, 20, 8), (1, 2, 20, 8))
+    ct.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+    first = [x.grad for x in (q, k, v)]
+    kept = [g.clone() for g in first]
+    for x in (q, k, v):
+        x.grad = None
+    (2 * ct.scaled_dot_product_attention(q, k, v, is_causal=True)).sum().backward()
+    for g, was, x in zip(first, kept, (q, k, v)):
+        assert torch.equal(g, was)
+        assert torch.allclose(x.grad, 2 * was, rtol=1e-5, atol=1e-6)
+
+
 def test_errors():
     q, k, v = tensors((1, 4, 6, 8), (1, 2, 6, 8), (1, 2, 6, 8), grad=False)
     sdpa = ct.scaled_dot_product_attention

@@ -31,7 +31,7 @@ from .masking import (HIDDEN, MIXED, apply_user_mask, mask_tile, tile_key_range,
                       tile_needs_mask)
 from .dropout import dropout_row
 from .scores import modify_row, tanh_grad_row
-from .pack import empty, pack_scaled_rows, packed_rows, packed_transposed, workspace
+from .pack import pack_scaled_rows, packed_rows, packed_transposed, reusable, workspace
 from .tiles import (exp2_shifted2, softmax_grad_row, tile_product_add, tile_product_kahan,
                     tile_product_softmax_grad, tile_product_store)
 
@@ -52,7 +52,8 @@ def backward(qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad
     lse2 + lse2_lo: (B, Hq, Nq) lse in base 2 as a sum of two floats, ``+inf`` for rows that
     see no key (so their P is 0). delta: (B, Hq, Nq).
     kt, vtt: K and V tiles transposed, kn: K tiles as rows (pack.py). chunk_starts: key-tile
-    boundaries of the chunks. dq_part: (n_chunks, B, Hq, n_qb * block_q, d_pad), zeroed.
+    boundaries of the chunks. dq_part: (n_chunks, B, Hq, n_qb * block_q, d_pad), scratch (each
+    task zeroes its part).
     dk: (B, Hkv, Nk, D), dv: (B, Hkv, Nk, Dv), contiguous: written, in units of the result.
     """
     n_b, n_hq, n_q, n_dv = dout.shape
@@ -73,10 +74,14 @@ def backward(qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad
     modify = softcap2 != 0.0 or np.any(slopes2 != 0.0)
     ld_s = block_k + simd.lanes_of(dk)  # score rows a vector longer: see forward.py
     n_k_all = mask.shape[3]
+    n_k_arr = dk.shape[2]
     inv_keep = 2.0**32 / (2.0**32 - drop_below)  # 1 / (1 - p)
     for task in prange(n_b * n_hkv * n_chunks):
         b, hk, chunk = unravel(task, n_hkv, n_chunks)
         n_k = kv_lens[b]
+        part_rows = group * rows_padded * d_pad  # this task's dQ partial: its heads' rows
+        part0 = ((chunk * n_b + b) * n_hq + hk * group) * rows_padded * d_pad
+        dq_flat[part0:part0 + part_rows] = 0.0
         do_s = np.zeros(block_q * dv_pad, dtype=dk.dtype)  # dO block, when copied
         s = np.empty(block_q * ld_s, dtype=dk.dtype)       # S, then P
         ds = np.empty(block_q * ld_s, dtype=dk.dtype)      # dP, then dS
@@ -99,6 +104,9 @@ def backward(qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad
         for kb in range(chunk_starts[chunk], chunk_starts[chunk + 1]):
             k0 = kb * block_k
             n_valid = min(block_k, n_k - k0)  # keys past kv_len: gradient 0, V never read
+            for j in range(max(n_valid, 0), min(block_k, n_k_arr - k0)):
+                dk[b, hk, k0 + j, :] = 0.0
+                dv[b, hk, k0 + j, :] = 0.0
             if n_valid <= 0:
                 continue
             tile = (b * n_hkv + hk) * n_kb + kb
@@ -286,15 +294,22 @@ def run_backward(dout, q, k, v, out, lse, scale, band, mods, user_mask, drop, po
     n_b, n_hq, n_q, d = q.shape
     n_hkv, n_k, n_dv = v.shape[1], v.shape[2], v.shape[3]
     dtype = q.dtype
-    # The gradients faulted in here, on one thread: pages first touched inside a kernel, by
-    # both threads at once, cost more (see dq_part below; measured at N=8192, D=128: 60-100 ms
-    # for a calloc'd dQ first written after the kernel, 5 ms filled here).
-    dq = empty((n_b, n_hq, n_q, d), dtype)  # very large ones on plain pages (pack.empty)
-    dk = empty((n_b, n_hkv, n_k, d), dtype)
-    dv = empty((n_b, n_hkv, n_k, n_dv), dtype)
-    for grad in (dq, dk, dv):
-        grad.fill(0.0)
+    # The kernels write every element of the gradients (zeros for keys past kv_lens). Fresh
+    # ones are faulted in here, on one thread: pages first touched inside a kernel, by both
+    # threads at once, cost more (see dq_part below; measured at N=8192, D=128: 60-100 ms for
+    # a calloc'd dQ first written after the kernel, 5 ms filled here). Up to a few MiB they
+    # are the previous call's if the caller let go of those (pack.reusable: no faults at all).
+    grads = []
+    for name, shape in (("dq", (n_b, n_hq, n_q, d)), ("dk", (n_b, n_hkv, n_k, d)),
+                        ("dv", (n_b, n_hkv, n_k, n_dv))):
+        grad, fresh = reusable(name, shape, dtype)  # very large: plain pages (pack.empty)
+        if fresh:
+            grad.fill(0.0)
+        grads.append(grad)
+    dq, dk, dv = grads
     if n_q == 0 or n_k == 0 or dq.size == 0 and dk.size == 0:
+        for grad in grads:
+            grad.fill(0.0)
         return dq, dk, dv
     block_k = config.block_k(d)
     block_q = config.BLOCK_Q
@@ -310,10 +325,10 @@ def run_backward(dout, q, k, v, out, lse, scale, band, mods, user_mask, drop, po
     row_terms(dout, out, lse, lse2, lse2_lo, delta)
     starts = chunk_starts(n_q, n_k, block_k, left, right, n_b * n_hkv)
     n_qb = -(-n_q // block_q)
-    # Scratch from the per-thread workspace, zeroed here: fresh pages would be faulted in by
-    # both threads inside the kernel (measured at N=512, D=128: 1.8 ms of a 12 ms call).
+    # Scratch from the per-thread workspace: fresh pages would be faulted in by both threads
+    # inside the kernel (measured at N=512, D=128: 1.8 ms of a 12 ms call). Each task zeroes
+    # its own part of it, in cache for its first products.
     dq_part = workspace("dq_part", (starts.size - 1, n_b, n_hq, n_qb * block_q, d_pad), dtype)
-    dq_part.fill(0.0)
     # Q scaled to base-2 units exactly as the forward pass scales it (a float64 product rounded
     # once), in zero-padded rows: one O(N) copy that every key tile reads in place.
     qp = workspace("q_scaled", (n_b, n_hq, n_qb * block_q, d_pad), dtype)
