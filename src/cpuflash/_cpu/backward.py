@@ -31,7 +31,8 @@ from .masking import (HIDDEN, MIXED, apply_user_mask, mask_tile, tile_key_range,
                       tile_needs_mask)
 from .dropout import dropout_row
 from .scores import modify_row, tanh_grad_row
-from .pack import pack_scaled_rows, packed_rows, packed_transposed, reusable, workspace
+from .pack import (pack_backward_operands, packed_rows, packed_transposed, reusable,
+                   workspace)
 from .tiles import (exp2_shifted2, softmax_grad_row, tile_product_add, tile_product_kahan,
                     tile_product_softmax_grad, tile_product_store)
 
@@ -43,7 +44,7 @@ TASKS_WANTED = 4  # key chunks per (batch, kv head) are added until there are th
 @kernel
 def backward(qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad,
              left, right, kv_lens, softcap2, slopes2, mask, mask_is_bool, tile_state,
-             drop_below, seed, chunk_starts, portable, dq_part, dk, dv):
+             drop_below, seed, chunk_starts, portable, dq_part, dk, dv, scale, dq):
     """qp: (B, Hq, n_qb * block_q, d_pad) Q times ``scale * log2(e)``, zero-padded, contiguous.
     dout: (B, Hq, Nq, Dv), contiguous. left, right, kv_lens: the band (masking.py).
     softcap2, slopes2 (B, Hq): score modifiers in base-2 units, 0 for off (scores.py).
@@ -55,6 +56,8 @@ def backward(qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad
     boundaries of the chunks. dq_part: (n_chunks, B, Hq, n_qb * block_q, d_pad), scratch (each
     task zeroes its part).
     dk: (B, Hkv, Nk, D), dv: (B, Hkv, Nk, Dv), contiguous: written, in units of the result.
+    dq: (B, Hq, Nq, D), written here as ``scale * dq_part`` when there is one chunk (each task
+    then holds its heads' whole dQ), else left to ``finish_dq``.
     """
     n_b, n_hq, n_q, n_dv = dout.shape
     d = dk.shape[3]
@@ -203,11 +206,20 @@ def backward(qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad
                     dk[b, hk, k0 + j, dd] = dk_acc[j * d_pad + dd] * LN2  # Q carried log2(e)
                 for c in range(n_dv):
                     dv[b, hk, k0 + j, c] = dv_acc[j * dv_pad + c]
+        if n_chunks == 1:  # as finish_dq does, without its own pass and parallel region
+            for h in range(hk * group, (hk + 1) * group):
+                for i in range(n_q):
+                    row = ((b * n_hq + h) * rows_padded + i) * d_pad
+                    for dd in range(d):
+                        dq[b, h, i, dd] = dq_flat[row + dd] * scale
 
 
 @kernel
-def row_terms(dout, out, lse, lse2, lse2_lo, delta):
-    """The per-row terms of the backward pass, (B, H, Nq) each, one pass over ``dout``/``out``:
+def row_terms(dout, out, lse, q, factor, lse2, lse2_lo, delta, qp):
+    """The per-row terms of the backward pass, (B, H, Nq) each, one pass over ``dout``/``out``,
+    and Q in base-2 units: ``qp[b, h, i, :D] = q[b, h, i, :] * factor`` (the product in
+    float64, rounded once, as the forward kernel scales its Q blocks; qp's padding rows and
+    columns stay as they are), in the same parallel region:
 
     * ``lse2 + lse2_lo``: lse in base 2 as a sum of two floats of the compute dtype (the exact
       float64 product rounded, and its rounding error; see ``tiles.exp2_shifted2``), ``+inf``
@@ -216,9 +228,12 @@ def row_terms(dout, out, lse, lse2, lse2_lo, delta):
       ``dP ~ delta``, so delta's rounding would show directly in the gradients.
     """
     n_b, n_h, n_q, n_dv = out.shape
+    d = q.shape[3]
     for task in prange(n_b * n_h):
         b, h, _ = unravel(task, n_h, 1)
         for i in range(n_q):
+            for dd in range(d):
+                qp[b, h, i, dd] = q[b, h, i, dd] * factor
             x = lse[b, h, i]
             exact = np.inf if x == -np.inf else np.float64(x) * LOG2_E
             lse2[b, h, i] = exact  # rounded to the compute dtype by the store
@@ -316,13 +331,16 @@ def run_backward(dout, q, k, v, out, lse, scale, band, mods, user_mask, drop, po
     lanes, width = config.lanes(dtype), config.panel_width(dtype)
     d_pad = -(-d // lanes) * lanes
     dv_pad = -(-n_dv // lanes) * lanes
-    kt = packed_transposed(k, block_k, width, "keys")
-    vtt = packed_transposed(v, block_k, width, "values_t")
-    kn = packed_rows(k, block_k, lanes, width, "keys_rows", zero_nonfinite=True)
-    lse2 = np.empty(lse.shape, dtype=dtype)
-    lse2_lo = np.empty(lse.shape, dtype=dtype)
-    delta = np.empty(lse.shape, dtype=dtype)
-    row_terms(dout, out, lse, lse2, lse2_lo, delta)
+    n_kb = -(-n_k // block_k)
+    if k.flags.c_contiguous and v.flags.c_contiguous and d == d_pad:  # one parallel region
+        kt = workspace("keys", (n_b * n_hkv, n_kb, d * block_k), dtype)
+        vtt = workspace("values_t", (n_b * n_hkv, n_kb, n_dv * block_k), dtype)
+        kn = workspace("keys_rows", (n_b * n_hkv, n_kb, block_k * d_pad), dtype)
+        pack_backward_operands(k, v, block_k, width, kt, vtt, kn)
+    else:
+        kt = packed_transposed(k, block_k, width, "keys")
+        vtt = packed_transposed(v, block_k, width, "values_t")
+        kn = packed_rows(k, block_k, lanes, width, "keys_rows", zero_nonfinite=True)
     starts = chunk_starts(n_q, n_k, block_k, left, right, n_b * n_hkv)
     n_qb = -(-n_q // block_q)
     # Scratch from the per-thread workspace: fresh pages would be faulted in by both threads
@@ -334,11 +352,15 @@ def run_backward(dout, q, k, v, out, lse, scale, band, mods, user_mask, drop, po
     qp = workspace("q_scaled", (n_b, n_hq, n_qb * block_q, d_pad), dtype)
     if n_q % block_q or d != d_pad:  # padding rows or columns: zero
         qp.fill(0.0)
-    pack_scaled_rows(q, scale * LOG2_E, qp)
+    lse2 = np.empty(lse.shape, dtype=dtype)
+    lse2_lo = np.empty(lse.shape, dtype=dtype)
+    delta = np.empty(lse.shape, dtype=dtype)
+    row_terms(dout, out, lse, q, scale * LOG2_E, lse2, lse2_lo, delta, qp)
     dout = np.ascontiguousarray(dout)  # one compiled kernel per dtype
     backward(qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad,
              left, right, kv_lens, softcap2, slopes2, user_mask.view, user_mask.is_bool,
              user_mask.tile_states(block_q, block_k), drop[0], drop[1], starts, portable,
-             dq_part, dk, dv)
-    finish_dq(dq_part, scale, dq)
+             dq_part, dk, dv, scale, dq)
+    if starts.size > 2:  # more than one chunk: their partials summed in chunk order
+        finish_dq(dq_part, scale, dq)
     return dq, dk, dv

@@ -104,7 +104,7 @@ def forward(q, kt, vt, block_q, scale2, left, right, kv_lens, softcap2, slopes2,
         row_vmax = np.empty(block_q * simd.lanes_of(out), dtype=out.dtype)
         for r in range(rows):
             for dd in range(d):
-                q_s[r * d + dd] = q[b, h, q0 + r, dd] * scale2  # as pack.pack_scaled_rows
+                q_s[r * d + dd] = q[b, h, q0 + r, dd] * scale2  # as backward.row_terms
         kb_lo, kb_hi = tile_key_range(q0, q0 + rows, n_q, n_k, block_k, left, right)
         for kb in range(kb_lo, kb_hi):
             state = tile_state[b, h, qb, kb]

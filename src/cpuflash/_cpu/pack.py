@@ -56,59 +56,91 @@ def key_tile(task, n_blocks, block_k, n_k):
     return bh, j0, min(block_k, n_k - j0)
 
 
+@helper
+def keys_transposed_task(kf, n_k, d, block_k, n_blocks, w, ktf, task):
+    """One key tile of ``pack_keys_transposed_contiguous``: ``task`` is its (batch * head, tile)
+    index, ``kf``/``ktf`` the flat K and packed K, ``n_blocks`` the tiles per head."""
+    lanes = simd.lanes_of(ktf)
+    bh, j0, n_valid = key_tile(task, n_blocks, block_k, n_k)
+    tile = task * (d * block_k)
+    for p0 in range(0, block_k, w):
+        width = min(w, block_k - p0)
+        inside = max(0, min(width, n_valid - p0))  # keys of this panel before Nk
+        src = (bh * n_k + j0 + p0) * d
+        panel = tile + p0 * d
+        if inside == width and width % lanes == 0 and d % lanes == 0:
+            for jj in range(0, width, lanes):  # lanes x lanes blocks, in registers
+                for dd in range(0, d, lanes):
+                    simd.transpose_block(kf, src + jj * d + dd, d, ktf,
+                                         panel + dd * width + jj, width)
+            continue
+        for dd in range(d):
+            row = panel + dd * width
+            for jj in range(inside):
+                ktf[row + jj] = kf[src + jj * d + dd]
+            for jj in range(inside, width):
+                ktf[row + jj] = 0.0
+
+
 @kernel
 def pack_keys_transposed_contiguous(k, block_k, w, kt):
     """``pack_keys_transposed`` for a C-contiguous ``k``: flat indices and no test per element
     and, where a panel is whole, ``lanes x lanes`` blocks transposed in registers (measured
     at B=1, H=8, N=512, D=128: 0.47 -> 0.09 ms; N=2048: 0.81 -> 0.45 ms)."""
-    n_b, n_h, n_k, d = k.shape
-    n_blocks = kt.shape[1]
-    kf = k.reshape(-1)
-    ktf = kt.reshape(-1)
-    lanes = simd.lanes_of(ktf)
-    for task in prange(n_b * n_h * n_blocks):
-        bh, j0, n_valid = key_tile(task, n_blocks, block_k, n_k)
-        tile = task * (d * block_k)
-        for p0 in range(0, block_k, w):
-            width = min(w, block_k - p0)
-            inside = max(0, min(width, n_valid - p0))  # keys of this panel before Nk
-            src = (bh * n_k + j0 + p0) * d
-            panel = tile + p0 * d
-            if inside == width and width % lanes == 0 and d % lanes == 0:
-                for jj in range(0, width, lanes):  # lanes x lanes blocks, in registers
-                    for dd in range(0, d, lanes):
-                        simd.transpose_block(kf, src + jj * d + dd, d, ktf,
-                                             panel + dd * width + jj, width)
-                continue
-            for dd in range(d):
-                row = panel + dd * width
-                for jj in range(inside):
-                    ktf[row + jj] = kf[src + jj * d + dd]
-                for jj in range(inside, width):
-                    ktf[row + jj] = 0.0
+    n_k, d = k.shape[2], k.shape[3]
+    kf, ktf = k.reshape(-1), kt.reshape(-1)
+    for task in prange(kt.shape[0] * kt.shape[1]):
+        keys_transposed_task(kf, n_k, d, block_k, kt.shape[1], w, ktf, task)
+
+
+@helper
+def values_task(vf, n_k, dv, block_k, n_blocks, w, zero_nonfinite, vtf, task):
+    """One value tile of ``pack_values_contiguous`` (arguments as ``keys_transposed_task``)."""
+    lanes = simd.lanes_of(vtf)
+    zero = simd.vsplat(vtf, 0.0)
+    bh, j0, n_valid = key_tile(task, n_blocks, block_k, n_k)
+    tile = task * (block_k * dv)
+    for c0 in range(0, dv, w):
+        width = min(w, dv - c0)
+        for j in range(block_k):
+            dst = tile + c0 * block_k + j * width
+            src = (bh * n_k + j0 + j) * dv + c0
+            for cc in range(0, width, lanes):
+                x = simd.vload(vf, src + cc) if j < n_valid else zero
+                if zero_nonfinite:  # x - x is 0 for a finite x, NaN for NaN and Inf
+                    x = simd.vselect_nonzero(simd.vsub(x, x), zero, x)
+                simd.vstore(vtf, dst + cc, x)
 
 
 @kernel
 def pack_values_contiguous(v, block_k, w, zero_nonfinite, vt):
     """``pack_values`` for a C-contiguous ``v`` whose rows are whole vectors (``dv_pad = Dv``):
     each panel row a few vector copies (measured at B=1, H=8, N=512, D=128: 0.31 -> 0.07 ms)."""
-    n_b, n_h, n_k, dv = v.shape
-    n_blocks = vt.shape[1]
-    lanes = simd.lanes_of(vt)
-    zero = simd.vsplat(vt, 0.0)
-    for task in prange(n_b * n_h * n_blocks):
-        bh, j0, n_valid = key_tile(task, n_blocks, block_k, n_k)
-        tile = task * (block_k * dv)
-        for c0 in range(0, dv, w):
-            width = min(w, dv - c0)
-            for j in range(block_k):
-                dst = tile + c0 * block_k + j * width
-                src = (bh * n_k + j0 + j) * dv + c0
-                for cc in range(0, width, lanes):
-                    x = simd.vload(v, src + cc) if j < n_valid else zero
-                    if zero_nonfinite:  # x - x is 0 for a finite x, NaN for NaN and Inf
-                        x = simd.vselect_nonzero(simd.vsub(x, x), zero, x)
-                    simd.vstore(vt, dst + cc, x)
+    n_k, dv = v.shape[2], v.shape[3]
+    vf, vtf = v.reshape(-1), vt.reshape(-1)
+    for task in prange(vt.shape[0] * vt.shape[1]):
+        values_task(vf, n_k, dv, block_k, vt.shape[1], w, zero_nonfinite, vtf, task)
+
+
+@kernel
+def pack_backward_operands(k, v, block_k, w, kt, vtt, kn):
+    """The backward pass's three packed copies in one parallel region (each region costs the
+    threads a wake-up and a join, 30-40 us with ``OMP_WAIT_POLICY=PASSIVE``): ``kt`` and
+    ``vtt``, K and V tiles transposed (``pack_keys_transposed_contiguous``), and ``kn``, K tiles
+    as rows with NaN/Inf as 0 (``pack_values_contiguous``). ``k``, ``v`` C-contiguous, K's
+    rows whole vectors."""
+    n_k, d, dv = k.shape[2], k.shape[3], v.shape[3]
+    kf, vf = k.reshape(-1), v.reshape(-1)
+    ktf, vttf, knf = kt.reshape(-1), vtt.reshape(-1), kn.reshape(-1)
+    n_blocks = kt.shape[1]
+    n_kt, n_vt = kt.shape[0] * n_blocks, vtt.shape[0] * n_blocks
+    for task in prange(n_kt + n_vt + kn.shape[0] * kn.shape[1]):
+        if task < n_kt:
+            keys_transposed_task(kf, n_k, d, block_k, n_blocks, w, ktf, task)
+        elif task < n_kt + n_vt:
+            keys_transposed_task(vf, n_k, dv, block_k, n_blocks, w, vttf, task - n_kt)
+        else:
+            values_task(kf, n_k, d, block_k, n_blocks, w, True, knf, task - n_kt - n_vt)
 
 
 @kernel
@@ -216,18 +248,6 @@ def reusable(name, shape, dtype):
         return buf, False
     buf = pool[name] = np.empty(shape, dtype=dtype)
     return buf, True
-
-
-@kernel
-def pack_scaled_rows(x, factor, xp):
-    """``xp[b, h, i, :D] = x[b, h, i, :] * factor`` (product in float64, rounded once, as the
-    forward kernel scales its Q blocks); padding rows and columns of ``xp`` stay as they are."""
-    n_b, n_h, n, d = x.shape
-    for task in prange(n_b * n_h):
-        b, h, _ = unravel(task, n_h, 1)
-        for i in range(n):
-            for dd in range(d):
-                xp[b, h, i, dd] = x[b, h, i, dd] * factor
 
 
 def packed_transposed(x, block_k, panel_width, name):
