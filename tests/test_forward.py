@@ -179,3 +179,19 @@ def test_contiguous_packing_equals_the_strided_packing(dtype, n, d):
         slow = pack.packed_rows(strided, block_k, lanes, width, "test_slow", zero_nonfinite)
         assert np.array_equal(slow, fast, equal_nan=True)
         assert np.isfinite(fast).all() == zero_nonfinite
+    # the same copies made together in one parallel region (pack.pack_tiles), as the forward
+    # pass (K^T, V rows) and the backward pass (K^T, V^T, K rows with NaN/Inf as 0) make them
+    if d % lanes == 0:
+        v = rand((2, 3, n, d), seed=5).astype(dtype)
+        v[1, 0, n - 1, 0] = np.nan
+        want = [pack.packed_transposed(k, block_k, width, "test_slow").copy(),
+                pack.packed_transposed(v, block_k, width, "test_slow").copy(),
+                pack.packed_rows(k, block_k, lanes, width, "test_slow", True).copy(),
+                pack.packed_rows(v, block_k, lanes, width, "test_slow", pack=True).copy()]
+        got = [np.full_like(w, 7.0) for w in want]
+        pack.pack_tiles(k, v, block_k, width, *got)
+        for g, w in zip(got, want):
+            assert np.array_equal(g, w, equal_nan=True)
+        kt, vn = pack.packed_kv(k, v, block_k, lanes, width)
+        assert np.array_equal(kt, want[0], equal_nan=True)
+        assert np.array_equal(vn, want[3], equal_nan=True)

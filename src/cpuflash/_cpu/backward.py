@@ -31,7 +31,7 @@ from .masking import (HIDDEN, MIXED, apply_user_mask, mask_tile, tile_key_range,
                       tile_needs_mask)
 from .dropout import dropout_row
 from .scores import modify_row, tanh_grad_row
-from .pack import (pack_backward_operands, packed_rows, packed_transposed, reusable,
+from .pack import (not_wanted, pack_tiles, packed_rows, packed_transposed, reusable,
                    workspace)
 from .tiles import (exp2_shifted2, softmax_grad_row, tile_product_add, tile_product_kahan,
                     tile_product_softmax_grad, tile_product_store)
@@ -336,7 +336,7 @@ def run_backward(dout, q, k, v, out, lse, scale, band, mods, user_mask, drop, po
         kt = workspace("keys", (n_b * n_hkv, n_kb, d * block_k), dtype)
         vtt = workspace("values_t", (n_b * n_hkv, n_kb, n_dv * block_k), dtype)
         kn = workspace("keys_rows", (n_b * n_hkv, n_kb, block_k * d_pad), dtype)
-        pack_backward_operands(k, v, block_k, width, kt, vtt, kn)
+        pack_tiles(k, v, block_k, width, kt, vtt, kn, not_wanted(dtype))
     else:
         kt = packed_transposed(k, block_k, width, "keys")
         vtt = packed_transposed(v, block_k, width, "values_t")

@@ -123,24 +123,30 @@ def pack_values_contiguous(v, block_k, w, zero_nonfinite, vt):
 
 
 @kernel
-def pack_backward_operands(k, v, block_k, w, kt, vtt, kn):
-    """The backward pass's three packed copies in one parallel region (each region costs the
-    threads a wake-up and a join, 30-40 us with ``OMP_WAIT_POLICY=PASSIVE``): ``kt`` and
-    ``vtt``, K and V tiles transposed (``pack_keys_transposed_contiguous``), and ``kn``, K tiles
-    as rows with NaN/Inf as 0 (``pack_values_contiguous``). ``k``, ``v`` C-contiguous, K's
-    rows whole vectors."""
+def pack_tiles(k, v, block_k, w, kt, vtt, kn, vn):
+    """Several packed copies of K and V in one parallel region (each region costs the threads a
+    wake-up and a join, 30-40 us with ``OMP_WAIT_POLICY=PASSIVE``): ``kt``, ``vtt``, K and V
+    tiles transposed (``pack_keys_transposed_contiguous``); ``kn``, K tiles as rows with NaN/Inf
+    as 0, and ``vn``, V tiles as rows (``pack_values_contiguous``). A copy not wanted is an
+    empty (0, 1, 1) array. ``k``, ``v`` C-contiguous; for ``kn``/``vn`` their rows whole
+    vectors. The forward pass takes ``kt`` and ``vn``, the backward pass ``kt``, ``vtt``,
+    ``kn``."""
     n_k, d, dv = k.shape[2], k.shape[3], v.shape[3]
     kf, vf = k.reshape(-1), v.reshape(-1)
-    ktf, vttf, knf = kt.reshape(-1), vtt.reshape(-1), kn.reshape(-1)
-    n_blocks = kt.shape[1]
-    n_kt, n_vt = kt.shape[0] * n_blocks, vtt.shape[0] * n_blocks
-    for task in prange(n_kt + n_vt + kn.shape[0] * kn.shape[1]):
-        if task < n_kt:
+    n_blocks = max(1, (n_k + block_k - 1) // block_k)
+    ktf, vttf, knf, vnf = kt.reshape(-1), vtt.reshape(-1), kn.reshape(-1), vn.reshape(-1)
+    end_kt = kt.shape[0] * kt.shape[1]  # the tasks of each copy, one after the other
+    end_vtt = end_kt + vtt.shape[0] * vtt.shape[1]
+    end_kn = end_vtt + kn.shape[0] * kn.shape[1]
+    for task in prange(end_kn + vn.shape[0] * vn.shape[1]):
+        if task < end_kt:
             keys_transposed_task(kf, n_k, d, block_k, n_blocks, w, ktf, task)
-        elif task < n_kt + n_vt:
-            keys_transposed_task(vf, n_k, dv, block_k, n_blocks, w, vttf, task - n_kt)
+        elif task < end_vtt:
+            keys_transposed_task(vf, n_k, dv, block_k, n_blocks, w, vttf, task - end_kt)
+        elif task < end_kn:
+            values_task(kf, n_k, d, block_k, n_blocks, w, True, knf, task - end_vtt)
         else:
-            values_task(kf, n_k, d, block_k, n_blocks, w, True, knf, task - n_kt - n_vt)
+            values_task(vf, n_k, dv, block_k, n_blocks, w, False, vnf, task - end_kn)
 
 
 @kernel
@@ -262,9 +268,10 @@ def packed_transposed(x, block_k, panel_width, name):
     return xt
 
 
-def packed_rows(x, block_k, lanes, panel_width, name, zero_nonfinite=False):
+def packed_rows(x, block_k, lanes, panel_width, name, zero_nonfinite=False, pack=True):
     """(B, H, N, D) -> (B*H, n_blocks, block_k * D_pad): tiles (block_k, D_pad), panels; a view
     of ``x`` itself where that is already its layout (never with ``zero_nonfinite``).
+    ``pack=False``: that view, or None where a copy would be needed.
 
     ``zero_nonfinite`` serves the backward pass's ``dQ = dS @ K``: a masked key has dS = 0, and
     0 * NaN would carry a NaN in K into every row's dQ. A NaN in a key that a row does see
@@ -278,6 +285,8 @@ def packed_rows(x, block_k, lanes, panel_width, name, zero_nonfinite=False):
         # own (D=64 float32 on AVX-512, say), so it is read in place (measured at N=512, D=64:
         # the copy was 3 % of the call).
         return x.reshape(n_b * n_h, n_blocks, block_k * d)
+    if not pack:
+        return None
     xr = workspace(name, (n_b * n_h, n_blocks, block_k * d_pad), x.dtype)
     if xr.size and d == d_pad and x.flags.c_contiguous:
         pack_values_contiguous(x, block_k, panel_width, zero_nonfinite, xr)
@@ -286,7 +295,27 @@ def packed_rows(x, block_k, lanes, panel_width, name, zero_nonfinite=False):
     return xr
 
 
+NOT_WANTED = np.empty((0, 1, 1), dtype=np.float32)  # pack_tiles: a copy not asked for
+
+
+def not_wanted(dtype):
+    return NOT_WANTED if dtype == np.float32 else np.empty((0, 1, 1), dtype=dtype)
+
+
 def packed_kv(k, v, block_k, lanes, panel_width):
-    """Keys transposed and values as rows, packed for the forward pass."""
-    return (packed_transposed(k, block_k, panel_width, "keys"),
-            packed_rows(v, block_k, lanes, panel_width, "values"))
+    """Keys transposed and values as rows, packed for the forward pass: in one parallel region
+    (``pack_tiles``) where both are C-contiguous and V must be packed."""
+    n_b, n_h, n, d = k.shape
+    dv = v.shape[3]
+    vn = packed_rows(v, block_k, lanes, panel_width, "values", pack=False)
+    if vn is not None or not (k.flags.c_contiguous and v.flags.c_contiguous
+                              and dv % lanes == 0 and n > 0):
+        return (packed_transposed(k, block_k, panel_width, "keys"),
+                vn if vn is not None else packed_rows(v, block_k, lanes, panel_width, "values"))
+    n_blocks = -(-n // block_k)
+    kt = workspace("keys", (n_b * n_h, n_blocks, d * block_k), k.dtype)
+    vn = workspace("values", (n_b * n_h, n_blocks, block_k * dv), k.dtype)
+    skip = not_wanted(k.dtype)
+    if kt.size:
+        pack_tiles(k, v, block_k, panel_width, kt, skip, skip, vn)
+    return kt, vn
