@@ -228,7 +228,7 @@ _results = threading.local()
 
 def _refs_held_by_pool():
     """What ``sys.getrefcount`` reports in ``reusable`` for an array that only the pool holds
-    (its slot, the local name, the call's argument: 3 on CPython 3.10-3.13), measured the same
+    (its slot, the local name, the call's argument: 3 on CPython 3.11), measured the same
     way here so that an interpreter that counts differently never reuses a held array."""
     pool = {"x": np.empty(1)}
     buf = pool.get("x")
