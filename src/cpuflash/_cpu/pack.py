@@ -128,10 +128,9 @@ def pack_tiles(k, v, block_k, w, kt, vtt, kn, vn):
     wake-up and a join: 25-70 us with ``OMP_WAIT_POLICY=PASSIVE``, 1.5 us without): ``kt``,
     ``vtt``, K and V tiles transposed (``pack_keys_transposed_contiguous``); ``kn``, K tiles as
     rows with NaN/Inf as 0, and ``vn``, V tiles as rows (``pack_values_contiguous``). A copy
-    not wanted is an
-    empty (0, 1, 1) array. ``k``, ``v`` C-contiguous; for ``kn``/``vn`` their rows whole
-    vectors. The forward pass takes ``kt`` and ``vn``, the backward pass ``kt``, ``vtt``,
-    ``kn``."""
+    not wanted is an empty (0, 1, 1) array. ``k``, ``v`` C-contiguous; for ``kn``/``vn`` their
+    rows whole vectors. The forward pass takes ``kt`` and ``vn``, the backward pass ``kt``,
+    ``vtt``, ``kn``."""
     n_k, d, dv = k.shape[2], k.shape[3], v.shape[3]
     kf, vf = k.reshape(-1), v.reshape(-1)
     n_blocks = max(1, (n_k + block_k - 1) // block_k)
