@@ -38,7 +38,7 @@ _FORCED = os.environ.get("CPUFLASH_SIMD", "")
 if _FORCED and _FORCED not in SIMD_CHOICES:
     warnings.warn(f"CPUFLASH_SIMD={_FORCED!r}: expected one of {SIMD_CHOICES} or unset; "
                   "using this host's own tile shapes", RuntimeWarning, stacklevel=2)
-if "avx512f" in HOST_FEATURES and _FORCED not in ("avx2", "128"):
+if "avx512f" in HOST_FEATURES and _FORCED not in SIMD_CHOICES:
     VECTOR_BYTES, MICRO_ROWS, MICRO_VECS = 64, 4, 4
 elif ("avx2" in HOST_FEATURES or "avx" in HOST_FEATURES) and _FORCED != "128":
     VECTOR_BYTES, MICRO_ROWS, MICRO_VECS = 32, 6, 2

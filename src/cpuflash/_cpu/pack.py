@@ -11,6 +11,7 @@ Panel layout of a ``(rows, cols)`` tile with panel width ``w``: element ``(r, c)
 Keys past ``Nk`` and columns past ``Dv`` are zero. Inputs may have any strides (transposed or
 broadcast views) and are read once; the packed copies are O(N), like the inputs.
 """
+import functools
 import math
 import mmap
 import sys
@@ -58,8 +59,11 @@ def key_tile(task, n_blocks, block_k, n_k):
 
 @helper
 def keys_transposed_task(kf, n_k, d, block_k, n_blocks, w, ktf, task):
-    """One key tile of ``pack_keys_transposed_contiguous``: ``task`` is its (batch * head, tile)
-    index, ``kf``/``ktf`` the flat K and packed K, ``n_blocks`` the tiles per head."""
+    """One key tile of ``pack_keys_transposed``'s layout for a C-contiguous K: ``task`` is its
+    (batch * head, tile) index, ``kf``/``ktf`` the flat K and packed K, ``n_blocks`` the tiles
+    per head. Flat indices, no test per element and, where a panel is whole, ``lanes x lanes``
+    blocks transposed in registers (measured at B=1, H=8, N=512, D=128: 0.47 -> 0.09 ms;
+    N=2048: 0.81 -> 0.45 ms)."""
     lanes = simd.lanes_of(ktf)
     bh, j0, n_valid = key_tile(task, n_blocks, block_k, n_k)
     tile = task * (d * block_k)
@@ -82,20 +86,11 @@ def keys_transposed_task(kf, n_k, d, block_k, n_blocks, w, ktf, task):
                 ktf[row + jj] = 0.0
 
 
-@kernel
-def pack_keys_transposed_contiguous(k, block_k, w, kt):
-    """``pack_keys_transposed`` for a C-contiguous ``k``: flat indices and no test per element
-    and, where a panel is whole, ``lanes x lanes`` blocks transposed in registers (measured
-    at B=1, H=8, N=512, D=128: 0.47 -> 0.09 ms; N=2048: 0.81 -> 0.45 ms)."""
-    n_k, d = k.shape[2], k.shape[3]
-    kf, ktf = k.reshape(-1), kt.reshape(-1)
-    for task in prange(kt.shape[0] * kt.shape[1]):
-        keys_transposed_task(kf, n_k, d, block_k, kt.shape[1], w, ktf, task)
-
-
 @helper
 def values_task(vf, n_k, dv, block_k, n_blocks, w, zero_nonfinite, vtf, task):
-    """One value tile of ``pack_values_contiguous`` (arguments as ``keys_transposed_task``)."""
+    """One value tile of ``pack_values``' layout for a C-contiguous V whose rows are whole
+    vectors (``dv_pad = Dv``), arguments as ``keys_transposed_task``: each panel row a few
+    vector copies (measured at B=1, H=8, N=512, D=128: 0.31 -> 0.07 ms)."""
     lanes = simd.lanes_of(vtf)
     zero = simd.vsplat(vtf, 0.0)
     bh, j0, n_valid = key_tile(task, n_blocks, block_k, n_k)
@@ -113,24 +108,15 @@ def values_task(vf, n_k, dv, block_k, n_blocks, w, zero_nonfinite, vtf, task):
 
 
 @kernel
-def pack_values_contiguous(v, block_k, w, zero_nonfinite, vt):
-    """``pack_values`` for a C-contiguous ``v`` whose rows are whole vectors (``dv_pad = Dv``):
-    each panel row a few vector copies (measured at B=1, H=8, N=512, D=128: 0.31 -> 0.07 ms)."""
-    n_k, dv = v.shape[2], v.shape[3]
-    vf, vtf = v.reshape(-1), vt.reshape(-1)
-    for task in prange(vt.shape[0] * vt.shape[1]):
-        values_task(vf, n_k, dv, block_k, vt.shape[1], w, zero_nonfinite, vtf, task)
-
-
-@kernel
 def pack_tiles(k, v, block_k, w, kt, vtt, kn, vn):
-    """Several packed copies of K and V in one parallel region (each region costs the threads a
-    wake-up and a join: 25-70 us with ``OMP_WAIT_POLICY=PASSIVE``, 1.5 us without): ``kt``,
-    ``vtt``, K and V tiles transposed (``pack_keys_transposed_contiguous``); ``kn``, K tiles as
-    rows with NaN/Inf as 0, and ``vn``, V tiles as rows (``pack_values_contiguous``). A copy
-    not wanted is an empty (0, 1, 1) array. ``k``, ``v`` C-contiguous; for ``kn``/``vn`` their
-    rows whole vectors. The forward pass takes ``kt`` and ``vn``, the backward pass ``kt``,
-    ``vtt``, ``kn``."""
+    """The packed copies of C-contiguous K and V that a call needs, in one parallel region
+    (each region costs the threads a wake-up and a join: 25-70 us with
+    ``OMP_WAIT_POLICY=PASSIVE``, 1.5 us without): ``kt``, ``vtt``, K and V tiles transposed
+    (``keys_transposed_task``); ``kn``, K tiles as rows with NaN/Inf as 0, and ``vn``, V tiles
+    as rows (``values_task``; their rows whole vectors). A copy not wanted is ``not_wanted``'s
+    empty array. The forward pass takes ``kt`` and ``vn``, the backward pass ``kt``, ``vtt``,
+    ``kn``; ``packed_transposed``/``packed_rows`` one of them (``k`` and ``v`` the same array
+    then)."""
     n_k, d, dv = k.shape[2], k.shape[3], v.shape[3]
     kf, vf = k.reshape(-1), v.reshape(-1)
     n_blocks = max(1, (n_k + block_k - 1) // block_k)
@@ -256,13 +242,20 @@ def reusable(name, shape, dtype):
     return buf, True
 
 
+@functools.lru_cache(maxsize=4)
+def not_wanted(dtype):
+    """``pack_tiles``' stand-in for a copy not asked for: an empty (0, 1, 1) array."""
+    return np.empty((0, 1, 1), dtype=dtype)
+
+
 def packed_transposed(x, block_k, panel_width, name):
     """(B, H, N, D) -> (B*H, n_blocks, D * block_k): tiles transposed to (D, block_k), panels."""
     n_b, n_h, n, d = x.shape
     n_blocks = max(1, -(-n // block_k))
     xt = workspace(name, (n_b * n_h, n_blocks, d * block_k), x.dtype)
     if xt.size and x.flags.c_contiguous:
-        pack_keys_transposed_contiguous(x, block_k, panel_width, xt)
+        skip = not_wanted(x.dtype)
+        pack_tiles(x, x, block_k, panel_width, xt, skip, skip, skip)
     elif xt.size:
         pack_keys_transposed(x, block_k, panel_width, xt)
     return xt
@@ -289,17 +282,12 @@ def packed_rows(x, block_k, lanes, panel_width, name, zero_nonfinite=False, pack
         return None
     xr = workspace(name, (n_b * n_h, n_blocks, block_k * d_pad), x.dtype)
     if xr.size and d == d_pad and x.flags.c_contiguous:
-        pack_values_contiguous(x, block_k, panel_width, zero_nonfinite, xr)
+        skip = not_wanted(x.dtype)
+        rows_as = (xr, skip) if zero_nonfinite else (skip, xr)  # kn zeroes NaN/Inf, vn keeps
+        pack_tiles(x, x, block_k, panel_width, skip, skip, *rows_as)
     elif xr.size:
         pack_values(x, block_k, d_pad, panel_width, zero_nonfinite, xr)
     return xr
-
-
-NOT_WANTED = np.empty((0, 1, 1), dtype=np.float32)  # pack_tiles: a copy not asked for
-
-
-def not_wanted(dtype):
-    return NOT_WANTED if dtype == np.float32 else np.empty((0, 1, 1), dtype=dtype)
 
 
 def packed_kv(k, v, block_k, lanes, panel_width):
