@@ -346,7 +346,8 @@ def run_backward(dout, q, k, v, out, lse, scale, band, mods, user_mask, drop, po
     # Scratch from the per-thread workspace: fresh pages would be faulted in by both threads
     # inside the kernel (measured at N=512, D=128: 1.8 ms of a 12 ms call). Each task zeroes
     # its own part of it, in cache for its first products.
-    dq_part = workspace("dq_part", (starts.size - 1, n_b, n_hq, n_qb * block_q, d_pad), dtype)
+    n_chunks = starts.size - 1
+    dq_part = workspace("dq_part", (n_chunks, n_b, n_hq, n_qb * block_q, d_pad), dtype)
     # Q scaled to base-2 units exactly as the forward pass scales it (a float64 product rounded
     # once), in zero-padded rows: one O(N) copy that every key tile reads in place.
     qp = workspace("q_scaled", (n_b, n_hq, n_qb * block_q, d_pad), dtype)
@@ -361,6 +362,6 @@ def run_backward(dout, q, k, v, out, lse, scale, band, mods, user_mask, drop, po
              left, right, kv_lens, softcap2, slopes2, user_mask.view, user_mask.is_bool,
              user_mask.tile_states(block_q, block_k), drop[0], drop[1], starts, portable,
              dq_part, dk, dv, scale, dq)
-    if starts.size > 2:  # more than one chunk: their partials summed in chunk order
+    if n_chunks > 1:  # else the kernel wrote dQ; here the partials are summed in chunk order
         finish_dq(dq_part, scale, dq)
     return dq, dk, dv
