@@ -54,7 +54,31 @@ MAX_SPLIT_KEYS = 4096
 TASKS = 16  # keeps up to 16 threads busy where the keys allow it
 MAX_SPLITS = 64  # caps the partial results at 64 * (B, Hq, Nq, Dv), whatever Nk
 MAX_NQ = 16            # attention() takes this path for Nq up to this
+# A transposed K (KVCache's layout: each of the D rows of a head holds its keys side by side)
+# is read a sweep of keys at a time: SWEEP_ROW_BYTES of each of its D rows (1024 float32 keys,
+# 2048 float16), DIM_GROUP rows per pass over the sweep's scores. The scores of one chunk in
+# one pass read all D rows at once, 512 bytes of each, and the hardware prefetcher, which
+# follows a few dozen streams, loses them. Measured, a plain read of K^T and V in the kernel's
+# order, 19 layers from DRAM, 2 threads (scratch/pattern.py in stop 20's note): 17 GB/s a chunk
+# at a time, 27-30 GB/s in sweeps of 1024 keys 4-8 rows at a time, 24 GB/s for K stored as
+# rows. The sum over the dims keeps its order, so the scores are the same bits. A sweep's
+# scores take at most SWEEP_BYTES. An int8 K^T stays one chunk at a time, all D rows in one
+# pass: in sweeps of 4096 keys its steps were no faster (1.0-1.7 ms against 0.9-1.6, noisy).
+SWEEP_ROW_BYTES = 4096
+DIM_GROUP = 8
+SWEEP_BYTES = 64 << 10
 SERIAL_COMBINE = 1 << 18  # partial-output elements up to which the merge runs on one thread
+
+
+@helper
+def sweep_keys(rows, itemsize, k_itemsize):
+    """Keys per sweep for ``rows`` query rows (scores of ``itemsize`` bytes) and keys stored in
+    ``k_itemsize`` bytes: whole chunks, ``SWEEP_ROW_BYTES`` of each row of K^T at most, scores
+    of ``SWEEP_BYTES`` at most, one chunk at least; one chunk for int8 keys."""
+    if k_itemsize < 2:
+        return CHUNK
+    fit = min(SWEEP_ROW_BYTES // k_itemsize, SWEEP_BYTES // (rows * itemsize))
+    return max(CHUNK, fit // CHUNK * CHUNK)
 
 
 def split_count(n_b, n_hkv, n_k):
@@ -140,6 +164,25 @@ def chunk_scores(s, q_s, rows, d, d_vec, kf, k_off, k_step, n_c, k_buf):
 
 
 @helper
+def sweep_scores(s, ld, q_s, rows, d, dim_group, kf, k_off, k_step, n_w, ahead):
+    """``s[r, j] = q_r . k_j`` for ``j < n_w`` (rows ``ld`` apart in ``s``) of a transposed K:
+    dim ``dd`` of key ``j`` at ``kf[k_off + j + dd*k_step]``. ``dim_group`` rows of K^T per
+    pass over the sweep (the sum over the dims in order, carried in ``s`` between passes),
+    keys past the last whole vector by scalar dot products. ``ahead`` > 0: each row of K^T
+    read is also hinted that many keys further on (a float16/int8 cache, see ``AHEAD``)."""
+    n_vec = n_w // simd.lanes_of(s) * simd.lanes_of(s)
+    if ahead > 0 and dim_group >= d:  # one pass: the hinted product
+        tile_product_ahead(s, 0, ld, q_s, 0, d, 1, kf, k_off, k_step, rows, n_vec, d, ahead)
+    else:
+        for g0 in range(0, d, dim_group):
+            tile_product(s, 0, ld, q_s, g0, d, 1, kf, k_off + g0 * k_step, k_step, 1, rows,
+                         n_vec, min(dim_group, d - g0), g0 > 0, False)
+    for r in range(rows):
+        for jj in range(n_vec, n_w):
+            s[r * ld + jj] = dot_strided(q_s, r * d, kf, k_off + jj, k_step, d)
+
+
+@helper
 def combine_row(m_part, l_part, acc_part, out, lse, b, h, i):
     """Merge the splits of one row in split order:
     ``out = sum_s acc_s 2^(m_s - M) / sum_s l_s 2^(m_s - M)``."""
@@ -203,6 +246,8 @@ def decode(q, kf, k_strides, k_storage, prefetch, vf, v_strides, k_scale, ks_str
     quantized = k_scale.size > 0
     keys_unit = k_strides[3] != 1  # K stored transposed: a key's D values k_strides[3] apart
     stage_k = rows > 1 and k_storage and not keys_unit  # convert float16/int8 keys once
+    ld_s = sweep_keys(rows, acc_part.itemsize, kf.itemsize) if keys_unit else CHUNK
+    dim_group = DIM_GROUP if ld_s > CHUNK else d  # one pass over a single chunk
     inv_keep = 2.0**32 / (2.0**32 - drop_below)  # 1 / (1 - p)
     no_t = np.empty(0, dtype=acc_part.dtype)
     for task in prange(n_b * n_hkv * n_splits):
@@ -212,7 +257,7 @@ def decode(q, kf, k_strides, k_storage, prefetch, vf, v_strides, k_scale, ks_str
             for i in range(n_q):
                 for dd in range(d):
                     q_s[(g * n_q + i) * d + dd] = q[b, hk * group + g, i, dd] * scale2
-        s = np.empty(rows * CHUNK, dtype=acc_part.dtype)
+        s = np.empty(rows * ld_s, dtype=acc_part.dtype)  # a sweep's scores, rows ld_s apart
         m_i = np.full(rows, -np.inf, dtype=acc_part.dtype)
         l_i = np.zeros(rows, dtype=acc_part.dtype)
         l_tile = np.empty(rows, dtype=acc_part.dtype)
@@ -232,71 +277,67 @@ def decode(q, kf, k_strides, k_storage, prefetch, vf, v_strides, k_scale, ks_str
         v_head = b * v_strides[0] + hk * v_strides[1]
         ks_head = b * ks_strides[0] + hk * ks_strides[1]
         vs_head = b * vs_strides[0] + hk * vs_strides[1]
-        for c0 in range(j_start, j_stop, CHUNK):
-            n_c = min(CHUNK, j_stop - c0)
-            if keys_unit:  # S = Q K^T as a register-blocked product: keys along the lanes
-                n_vec = n_c // lanes * lanes
-                if prefetch:
-                    tile_product_ahead(s, 0, CHUNK, q_s, 0, d, 1, kf, k_head + c0, k_strides[3],
-                                       rows, n_vec, d, AHEAD * CHUNK)
-                else:
-                    tile_product(s, 0, CHUNK, q_s, 0, d, 1, kf, k_head + c0, k_strides[3], 1,
-                                 rows, n_vec, d, False, False)
+        for w0 in range(j_start, j_stop, ld_s):  # one sweep of keys, then its chunks
+            n_w = min(ld_s, j_stop - w0)
+            if keys_unit:
+                sweep_scores(s, ld_s, q_s, rows, d, dim_group, kf, k_head + w0, k_strides[3], n_w,
+                             AHEAD * CHUNK if prefetch else 0)
+            for c0 in range(w0, w0 + n_w, CHUNK):
+                n_c = min(CHUNK, w0 + n_w - c0)
+                sc = c0 - w0  # the chunk's first column in s
+                if not keys_unit:  # one chunk per sweep (ld_s = CHUNK, sc = 0)
+                    chunk_scores(s, q_s, rows, d, d_vec, kf, k_head + c0 * k_strides[2],
+                                 k_strides[2], n_c, k_buf)
                 for r in range(rows):
-                    for jj in range(n_vec, n_c):
-                        s[r * CHUNK + jj] = dot_strided(q_s, r * d, kf, k_head + c0 + jj,
-                                                        k_strides[3], d)
-            else:
-                chunk_scores(s, q_s, rows, d, d_vec, kf, k_head + c0 * k_strides[2],
-                             k_strides[2], n_c, k_buf)
-            for r in range(rows):
-                row = r * CHUNK
-                if quantized:
-                    for jj in range(n_c):
-                        s[row + jj] *= k_scale[ks_head + (c0 + jj) * ks_strides[2]]
-                i = r % n_q
-                h = hk * group + r // n_q
-                if modify:
-                    modify_row(s, row, CHUNK, i + kv_len - n_q, c0, softcap2, slopes2[b, h],
-                               no_t, False)
-                if mask_given:
-                    apply_user_mask(s, row, CHUNK, 1, mask, mask_is_bool, b, h, i, c0, n_c,
-                                    LOG2_E, l_tile)  # its row max unused: l_tile is scratch
-                # Masked after the modifiers, as the tiled kernel; a chunk inside the row's
-                # band (the common case) needs only its tail past n_c.
-                if first_r[r] <= c0 and c0 + n_c - 1 <= last_r[r]:
-                    for jj in range(n_c, CHUNK):
-                        s[row + jj] = -np.inf
-                else:
-                    for jj in range(CHUNK):
-                        if not (jj < n_c and first_r[r] <= c0 + jj <= last_r[r]):
+                    row = r * ld_s + sc
+                    if quantized:
+                        for jj in range(n_c):
+                            s[row + jj] *= k_scale[ks_head + (c0 + jj) * ks_strides[2]]
+                    i = r % n_q
+                    h = hk * group + r // n_q
+                    if modify:
+                        modify_row(s, row, CHUNK, i + kv_len - n_q, c0, softcap2,
+                                   slopes2[b, h], no_t, False)
+                    if mask_given:
+                        apply_user_mask(s, row, ld_s, 1, mask, mask_is_bool, b, h, i, c0, n_c,
+                                        LOG2_E, l_tile)  # its row max unused: l_tile is scratch
+                    # Masked after the modifiers, as the tiled kernel; a chunk inside the row's
+                    # band (the common case) needs only its tail past n_c.
+                    if first_r[r] <= c0 and c0 + n_c - 1 <= last_r[r]:
+                        for jj in range(n_c, CHUNK):
                             s[row + jj] = -np.inf
-            online_softmax(s, CHUNK, CHUNK, rows, m_i, l_tile, alpha_i, l_tile, False, False)
-            for r in range(rows):
-                l_i[r] = alpha_i[r] * l_i[r] + l_tile[r]
-                if drop_below > 0:
-                    dropout_row(s, r * CHUNK, CHUNK, seed,
-                                (b * n_hq + hk * group + r // n_q) * n_q + r % n_q, c0,
-                                drop_below, inv_keep)
-                if quantized:  # P @ (V_int8 * v_scale) as (P * v_scale) @ V_int8
-                    for jj in range(n_c):
-                        s[r * CHUNK + jj] *= v_scale[vs_head + (c0 + jj) * vs_strides[2]]
-            if tiled:
-                v_off = v_head + c0 * v_strides[2]
-                if prefetch:
-                    tile_product_ahead(pv, 0, ld, s, 0, CHUNK, 1, vf, v_off, v_strides[2], rows,
-                                       dv, n_c, AHEAD * CHUNK * v_strides[2])
-                else:
-                    tile_product(pv, 0, ld, s, 0, CHUNK, 1, vf, v_off, v_strides[2], 1, rows, dv,
-                                 n_c, False, False)
-                rescale_add(acc, pv, ld, rows, alpha_i, False)
-            else:
+                    else:
+                        for jj in range(CHUNK):
+                            if not (jj < n_c and first_r[r] <= c0 + jj <= last_r[r]):
+                                s[row + jj] = -np.inf
+                online_softmax(s, sc, ld_s, CHUNK, rows, m_i, l_tile, alpha_i, l_tile, False,
+                               False)
                 for r in range(rows):
-                    for c in range(dv):
-                        acc[r * ld + c] *= alpha_i[r]
-                    for jj in range(n_c):
-                        axpy_row(acc, r * ld, s[r * CHUNK + jj], vf,
-                                 v_head + (c0 + jj) * v_strides[2], dv, dv_vec)
+                    row = r * ld_s + sc
+                    l_i[r] = alpha_i[r] * l_i[r] + l_tile[r]
+                    if drop_below > 0:
+                        dropout_row(s, row, CHUNK, seed,
+                                    (b * n_hq + hk * group + r // n_q) * n_q + r % n_q, c0,
+                                    drop_below, inv_keep)
+                    if quantized:  # P @ (V_int8 * v_scale) as (P * v_scale) @ V_int8
+                        for jj in range(n_c):
+                            s[row + jj] *= v_scale[vs_head + (c0 + jj) * vs_strides[2]]
+                if tiled:
+                    v_off = v_head + c0 * v_strides[2]
+                    if prefetch:
+                        tile_product_ahead(pv, 0, ld, s, sc, ld_s, 1, vf, v_off, v_strides[2],
+                                           rows, dv, n_c, AHEAD * CHUNK * v_strides[2])
+                    else:
+                        tile_product(pv, 0, ld, s, sc, ld_s, 1, vf, v_off, v_strides[2], 1,
+                                     rows, dv, n_c, False, False)
+                    rescale_add(acc, pv, ld, rows, alpha_i, False)
+                else:
+                    for r in range(rows):
+                        for c in range(dv):
+                            acc[r * ld + c] *= alpha_i[r]
+                        for jj in range(n_c):
+                            axpy_row(acc, r * ld, s[r * ld_s + sc + jj], vf,
+                                     v_head + (c0 + jj) * v_strides[2], dv, dv_vec)
         for g in range(group):
             for i in range(n_q):
                 r = g * n_q + i

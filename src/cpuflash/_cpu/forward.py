@@ -133,7 +133,7 @@ def forward(q, kt, vt, block_q, scale2, left, right, kv_lens, softcap2, slopes2,
             if tile_needs_mask(q0, q0 + rows, k0, block_k, n_q, n_k, left, right):
                 mask_tile(s, ld_s, rows, q0, k0, block_k, n_q, n_k, left, right, -np.inf)
                 max_given = False
-            online_softmax(s, ld_s, block_k, block_q, m_i, l_tile_sums, alpha_i, tile_max,
+            online_softmax(s, 0, ld_s, block_k, block_q, m_i, l_tile_sums, alpha_i, tile_max,
                            max_given, portable)
             for r in range(block_q):
                 l_i[r] = alpha_i[r] * l_i[r] + l_tile_sums[r]

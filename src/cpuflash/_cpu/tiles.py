@@ -356,10 +356,10 @@ def exp2_inplace(x, off, n, portable):
 
 
 @helper
-def online_softmax(s, ld, n, rows, m_i, l_i, alpha_i, tile_max, max_given, portable):
+def online_softmax(s, off, ld, n, rows, m_i, l_i, alpha_i, tile_max, max_given, portable):
     """One key tile of online softmax, in base 2, for ``rows`` rows of ``n`` scores, rows
-    ``ld`` apart in ``s``. ``max_given``: ``tile_max[r]`` already holds each row's maximum
-    (found by the pass that masked the tile); else the rows are read for it here.
+    ``ld`` apart in ``s`` from ``s[off]``. ``max_given``: ``tile_max[r]`` already holds each
+    row's maximum (found by the pass that masked the tile); else the rows are read for it here.
 
     In place: ``s`` becomes ``P = 2^(s - m_new)``; ``m_i`` the new running max; ``l_i`` this
     tile's row sums ``rowsum(P)``; ``alpha_i = 2^(m_old - m_new)``, the factor by which the
@@ -370,7 +370,7 @@ def online_softmax(s, ld, n, rows, m_i, l_i, alpha_i, tile_max, max_given, porta
     """
     for r in range(rows):
         m_old = m_i[r]
-        t_max = tile_max[r] if max_given else row_max(s, r * ld, n, portable)
+        t_max = tile_max[r] if max_given else row_max(s, off + r * ld, n, portable)
         m_new = max(m_old, t_max)
         # A row that has seen only masked keys keeps m = -inf; shift by 0 then, so that
         # 2^(-inf - shift) is 0 and never 2^(-inf - (-inf)) = NaN.
@@ -379,7 +379,7 @@ def online_softmax(s, ld, n, rows, m_i, l_i, alpha_i, tile_max, max_given, porta
         l_i[r] = shift              # parked here until the exponentials
         m_i[r] = m_new
     for r in range(rows):
-        l_i[r] = exp2_shifted_sum(s, r * ld, n, l_i[r], portable)
+        l_i[r] = exp2_shifted_sum(s, off + r * ld, n, l_i[r], portable)
     exp2_inplace(alpha_i, 0, rows, portable)  # all rows' rescale factors in a few vectors
 
 
