@@ -164,6 +164,19 @@ def chunk_scores(s, q_s, rows, d, d_vec, kf, k_off, k_step, n_c, k_buf):
 
 
 @helper
+def scale_scores(s, off, scales, sc_off, sc_step, n):
+    """``s[off + j] *= scales[sc_off + j*sc_step]`` for ``j < n``: an int8 cache's per-key
+    scales, by whole vectors where they are contiguous (KVCache's layout)."""
+    lanes = simd.lanes_of(s)
+    n_vec = n // lanes * lanes if sc_step == 1 else 0
+    for j in range(0, n_vec, lanes):
+        simd.vstore(s, off + j, simd.vmul(simd.vload(s, off + j),
+                                          simd.vload(scales, sc_off + j)))
+    for j in range(n_vec, n):
+        s[off + j] *= scales[sc_off + j * sc_step]
+
+
+@helper
 def sweep_scores(s, ld, q_s, rows, d, dim_group, kf, k_off, k_step, n_w, ahead):
     """``s[r, j] = q_r . k_j`` for ``j < n_w`` (rows ``ld`` apart in ``s``) of a transposed K:
     dim ``dd`` of key ``j`` at ``kf[k_off + j + dd*k_step]``. ``dim_group`` rows of K^T per
@@ -291,8 +304,8 @@ def decode(q, kf, k_strides, k_storage, prefetch, vf, v_strides, k_scale, ks_str
                 for r in range(rows):
                     row = r * ld_s + sc
                     if quantized:
-                        for jj in range(n_c):
-                            s[row + jj] *= k_scale[ks_head + (c0 + jj) * ks_strides[2]]
+                        scale_scores(s, row, k_scale, ks_head + c0 * ks_strides[2],
+                                     ks_strides[2], n_c)
                     i = r % n_q
                     h = hk * group + r // n_q
                     if modify:
@@ -320,8 +333,8 @@ def decode(q, kf, k_strides, k_storage, prefetch, vf, v_strides, k_scale, ks_str
                                     (b * n_hq + hk * group + r // n_q) * n_q + r % n_q, c0,
                                     drop_below, inv_keep)
                     if quantized:  # P @ (V_int8 * v_scale) as (P * v_scale) @ V_int8
-                        for jj in range(n_c):
-                            s[row + jj] *= v_scale[vs_head + (c0 + jj) * vs_strides[2]]
+                        scale_scores(s, row, v_scale, vs_head + c0 * vs_strides[2],
+                                     vs_strides[2], n_c)
                 if tiled:
                     v_off = v_head + c0 * v_strides[2]
                     if prefetch:
