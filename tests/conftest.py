@@ -60,3 +60,22 @@ def assert_close_to_reference(out, ref, q, k, v, causal=False, scale=None, facto
 # tests/cuda runs in its own process (tests/test_cuda_path.py starts it, with the CUDA
 # simulator), so that numba.cuda and the simulator never load into the CPU tests' process.
 collect_ignore = [] if os.environ.get("CPUFLASH_CUDA_TESTS") else ["cuda"]
+
+
+def pytest_collection_finish(session):
+    """Start the CUDA runs of the selected tests of tests/test_cuda_path.py now, in the
+    background (see RUNS there)."""
+    if session.config.option.collectonly:
+        return
+    for item in session.items:
+        start = getattr(getattr(item, "module", None), "start_in_background", None)
+        if start is not None:
+            start(item.name)
+
+
+def pytest_sessionfinish(session):
+    for item in session.items:
+        stop = getattr(getattr(item, "module", None), "stop_all", None)
+        if stop is not None:
+            stop()
+            return
