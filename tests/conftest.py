@@ -57,8 +57,8 @@ def assert_close_to_reference(out, ref, q, k, v, causal=False, scale=None, facto
     assert err <= factor * base + atol, f"error {err:.3g} vs naive {base:.3g} (atol {atol:.3g})"
 
 
-# tests/cuda runs in its own process (tests/test_cuda_path.py starts it, with the CUDA
-# simulator), so that numba.cuda and the simulator never load into the CPU tests' process.
+# tests/cuda runs in processes of its own (tests/test_cuda_path.py starts them, one with the
+# CUDA simulator), so that numba.cuda and the simulator never load into the CPU tests' process.
 collect_ignore = [] if os.environ.get("CPUFLASH_CUDA_TESTS") else ["cuda"]
 
 
@@ -74,6 +74,7 @@ def pytest_collection_finish(session):
 
 
 def pytest_sessionfinish(session):
+    """Kill the CUDA runs that no test waited for (a session stopped early, by -x say)."""
     for item in session.items:
         stop = getattr(getattr(item, "module", None), "stop_all", None)
         if stop is not None:

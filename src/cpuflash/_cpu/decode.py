@@ -10,6 +10,9 @@ read once per call, straight from the caller's array (rows must be unit-stride):
         online softmax over the chunk        # as the tiled kernel, base 2
         acc[r] = alpha * acc[r] + sum_j p[r, j] * v_j
 
+With K transposed (KVCache's layout) the scores come a sweep of several chunks at a time,
+summed a few rows of K^T per pass (``sweep_scores``), and the chunks then run as above.
+
 Each split leaves ``m``, ``l`` and an unnormalized ``acc``; ``combine_row`` merges the splits
 in split order (``out = sum_s acc_s 2^(m_s - M) / sum_s l_s 2^(m_s - M)``). The number of splits
 is a function of the shapes only (``split_count``), so the result is the same for any thread
