@@ -17,7 +17,7 @@ HAS_NUMBA_CUDA = importlib.util.find_spec("numba_cuda") is not None
 # suite mostly does: started in the background as soon as the session knows it will run them
 # (conftest.py: pytest_collection_finish), they overlap with the rest of the suite on a
 # 2-core machine (measured: CI's suite 18.9 min with them in turn, of which 4.9 the simulator
-# and 2.9 the PTX compilation; 12.4-12.8 min overlapped). Their tests below wait for them.
+# and 2.9 the PTX compilation; 12.4-15.3 min overlapped). Their tests below wait for them.
 RUNS = {
     "test_cuda_simulator": (["tests/cuda/test_cuda.py"], {"NUMBA_ENABLE_CUDASIM": "1"}),
     "test_cuda_ptx_sm90": (["tests/cuda/test_ptx.py"],
