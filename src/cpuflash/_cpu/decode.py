@@ -66,7 +66,9 @@ MAX_NQ = 16            # attention() takes this path for Nq up to this
 # at a time, 27-30 GB/s in sweeps of 1024 keys 4-8 rows at a time, 24 GB/s for K stored as
 # rows. The sum over the dims keeps its order, so the scores are the same bits. A sweep's
 # scores take at most SWEEP_BYTES. An int8 K^T stays one chunk at a time, all D rows in one
-# pass: in sweeps of 4096 keys its steps were no faster (1.0-1.7 ms against 0.9-1.6, noisy).
+# pass (its K rows prefetched, see AHEAD): in sweeps of 4096 keys, three runs each at Hkv=2,
+# Nk=32768, its steps took 0.73-1.08 ms against 0.65-1.03 hot, 1.27-1.35 against 0.90-1.49
+# from DRAM.
 SWEEP_ROW_BYTES = 4096
 DIM_GROUP = 8
 SWEEP_BYTES = 64 << 10
@@ -184,8 +186,9 @@ def sweep_scores(s, ld, q_s, rows, d, dim_group, kf, k_off, k_step, n_w, ahead):
     """``s[r, j] = q_r . k_j`` for ``j < n_w`` (rows ``ld`` apart in ``s``) of a transposed K:
     dim ``dd`` of key ``j`` at ``kf[k_off + j + dd*k_step]``. ``dim_group`` rows of K^T per
     pass over the sweep (the sum over the dims in order, carried in ``s`` between passes),
-    keys past the last whole vector by scalar dot products. ``ahead`` > 0: each row of K^T
-    read is also hinted that many keys further on (a float16/int8 cache, see ``AHEAD``)."""
+    keys past the last whole vector by scalar dot products. ``ahead`` > 0 with a single pass
+    (``dim_group >= d``, an int8 cache): each row of K^T read is also hinted that many keys
+    further on (see ``AHEAD``); sweeps need no hints."""
     n_vec = n_w // simd.lanes_of(s) * simd.lanes_of(s)
     if ahead > 0 and dim_group >= d:  # one pass: the hinted product
         tile_product_ahead(s, 0, ld, q_s, 0, d, 1, kf, k_off, k_step, rows, n_vec, d, ahead)
