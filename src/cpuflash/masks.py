@@ -161,15 +161,22 @@ def _mask_4d(mask, shape, compute_dtype):
                         f"got {type(mask).__name__}")
     if mask.dtype != np.bool_ and mask.dtype.kind != "f":
         raise TypeError(f"mask: expected a bool or float array, got {mask.dtype}")
-    if mask.ndim > 4:
-        raise ValueError(f"mask: expected at most 4 dimensions, got shape {mask.shape}")
-    m4 = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
-    for have, want in zip(m4.shape, shape):
-        if have not in (1, want):
-            raise ValueError(f"mask: shape {mask.shape} does not broadcast to (B, Hq, Nq, Nk) "
-                             f"= {shape}")
+    m4 = mask.reshape(broadcast_shape(mask.shape, shape))
     if m4.dtype.kind == "f" and m4.dtype not in (np.float32, np.float64):
         m4 = m4.astype(compute_dtype)  # float16: one copy at the mask's own size
+    return m4
+
+
+def broadcast_shape(mask_shape, shape):
+    """``mask_shape`` with leading 1s to 4-D, checked to broadcast to ``shape`` =
+    (B, Hq, Nq, Nk) the way the kernels read it: each axis 1 or equal."""
+    if len(mask_shape) > 4:
+        raise ValueError(f"mask: expected at most 4 dimensions, got shape {mask_shape}")
+    m4 = (1,) * (4 - len(mask_shape)) + tuple(mask_shape)
+    for have, want in zip(m4, shape):
+        if have not in (1, want):
+            raise ValueError(f"mask: shape {tuple(mask_shape)} does not broadcast to "
+                             f"(B, Hq, Nq, Nk) = {shape}")
     return m4
 
 

@@ -155,16 +155,107 @@ def test_out_and_empty():
     np.testing.assert_allclose(host_out, reference.attention(q, k, v), atol=2e-5)
 
 
-@pytest.mark.parametrize("kwargs, error", [
-    ({"mask": np.ones((5, 7), bool)}, NotImplementedError),
-    ({"dropout_p": 0.1, "seed": 1}, NotImplementedError),
-    ({"window": (-2, 0)}, ValueError),
-    ({"scale": float("nan")}, ValueError),
-    ({"device": "tpu"}, ValueError),
+def _mask(kind, shape):
+    """A mask of ``kind`` for ``shape``, on the host: "bool" (B, 1, Nq, Nk) with one query row
+    of batch 0 that sees no key, "float" (Hq, 1, Nk) with a key at -inf, "float16" (Nq, Nk)."""
+    n_b, n_hq, _, n_q, n_k = shape[:5]
+    rng = np.random.default_rng(3)
+    if kind == "bool":
+        m = rng.random((n_b, 1, n_q, n_k)) > 0.3
+        m[0, 0, min(1, n_q - 1)] = False
+        return m
+    if kind == "float":
+        m = rng.standard_normal((n_hq, 1, n_k)).astype(np.float32)
+        m[..., n_k // 2] = -np.inf
+        return m
+    return rng.standard_normal((n_q, n_k)).astype(np.float16)
+
+
+MASK_OPTIONS = [{"mask": "bool"}, {"mask": "float", "causal": True},
+                {"mask": "float16", "window": (3, 1)}, {"dropout_p": 0.3, "seed": 11},
+                {"mask": "bool", "dropout_p": 0.25, "seed": 2**40 + 5, "softcap": 2.0,
+                 "alibi": True, "kv_lens": True}]
+# each option once in the simulator (a forward and backward there takes 10-30 s), the last
+# with two batches and GQA; every option on the larger shapes on a GPU
+MASK_CASES = [(SHAPES[0], opt) for opt in MASK_OPTIONS[:-1]]
+MASK_CASES += [((2, 2, 1, 5, 6, 8, 8), MASK_OPTIONS[-1])]
+if BIG:
+    MASK_CASES += [(shape, opt) for shape in SHAPES[3:] for opt in MASK_OPTIONS]
+
+
+def _mask_opts(opt, shape):
+    """``(options for the reference, the same with the mask on the GPU)``; ``kv_lens``: all
+    keys but one in batch 0, half of them in the others."""
+    opts = _opts(opt, shape)
+    if "kv_lens" in opts:
+        opts["kv_lens"] = np.full(shape[0], shape[4] // 2, dtype=np.int64)
+        opts["kv_lens"][0] = shape[4] - 1
+    if "mask" not in opts:
+        return opts, opts
+    opts["mask"] = _mask(opts["mask"], shape)
+    return opts, dict(opts, mask=cuda.to_device(opts["mask"]))
+
+
+@pytest.mark.parametrize("shape, opt", MASK_CASES, ids=str)
+def test_mask_and_dropout(shape, opt):
+    """The caller's bool/float masks (broadcast, float16, -inf, rows that see nothing) and
+    dropout (the CPU path's hash, so the reference's keep mask) through the SIMT kernels,
+    forward and backward, against the float64 reference."""
+    ref_opts, opts = _mask_opts(opt, shape)
+    q, k, v = qkv(shape)
+    (dout,) = rands(q.shape[:-1] + (v.shape[-1],), seed=7)
+    gq, gk, gv, gdo = on_gpu(q, k, v, dout)
+    out, lse = cpuflash.attention(gq, gk, gv, return_lse=True, **opts)
+    ref, ref_lse = reference.attention(q, k, v, return_lse=True, **ref_opts)
+    host_out, host_lse = out.copy_to_host(), lse.copy_to_host()
+    np.testing.assert_allclose(host_out, ref, atol=tol(np.float32, ref), rtol=0)
+    finite = np.isfinite(ref_lse)
+    np.testing.assert_array_equal(np.isfinite(host_lse), finite)
+    np.testing.assert_allclose(host_lse[finite], ref_lse[finite], atol=1e-4, rtol=1e-5)
+    grads = cpuflash.attention_backward(gdo, gq, gk, gv, out, lse, **opts)
+    refs = reference.attention_backward(dout, q, k, v, **ref_opts)
+    for name, g, r in zip(("dq", "dk", "dv"), grads, refs):
+        g = g.copy_to_host()
+        assert np.all(np.isfinite(g)), name
+        np.testing.assert_allclose(g, r, atol=5 * tol(np.float32, r), rtol=0, err_msg=name)
+
+
+def test_mask_from_numpy_and_float16_inputs():
+    """numpy inputs (device="cuda") with a float64 numpy mask (converted on the host), and
+    float16 inputs with a bool mask; a numpy mask beside GPU inputs is refused."""
+    shape = SHAPES[0]
+    q, k, v = qkv(shape)
+    mask = _mask("float", shape).astype(np.float64)
+    out = cpuflash.attention(q, k, v, mask=mask, device="cuda")
+    ref = reference.attention(q, k, v, mask=mask)
+    np.testing.assert_allclose(out, ref, atol=tol(np.float32, ref), rtol=0)
+    h16 = [x.astype(np.float16) for x in (q, k, v)]
+    bool_mask = _mask("bool", shape)
+    out = cpuflash.attention(*on_gpu(*h16), mask=cuda.to_device(bool_mask), dropout_p=0.2,
+                             seed=3).copy_to_host()
+    ref = reference.attention(*h16, mask=bool_mask, dropout_p=0.2, seed=3)
+    assert out.dtype == np.float16
+    np.testing.assert_allclose(out, ref, atol=tol(np.float16, ref), rtol=0)
+    with pytest.raises(TypeError, match="mask: expected a GPU array"):
+        cpuflash.attention(*on_gpu(q, k, v), mask=bool_mask)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"mask": np.ones((5, 7), np.int32)}, TypeError, "mask: expected a bool or float"),
+    ({"mask": np.ones((3, 7), bool)}, ValueError, "mask: shape"),
+    ({"mask": np.ones((1, 1, 1, 5, 7), bool)}, ValueError, "mask: expected at most 4"),
+    ({"mask": np.ones((5, 7), np.float64)}, NotImplementedError, "mask: a float64"),
+    ({"dropout_p": 0.1}, ValueError, "seed: required"),
+    ({"dropout_p": 1.0, "seed": 1}, ValueError, "dropout_p"),
+    ({"window": (-2, 0)}, ValueError, "window"),
+    ({"scale": float("nan")}, ValueError, "scale"),
+    ({"device": "tpu"}, ValueError, "device"),
 ])
-def test_errors(kwargs, error):
+def test_errors(kwargs, error, match):
     q, k, v = qkv((1, 2, 1, 5, 7, 8, 8))
-    with pytest.raises(error):
+    if "mask" in kwargs:
+        kwargs = dict(kwargs, mask=cuda.to_device(kwargs["mask"]))
+    with pytest.raises(error, match=match):
         cpuflash.attention(*on_gpu(q, k, v), **kwargs)
 
 

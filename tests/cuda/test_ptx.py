@@ -61,7 +61,8 @@ def _check_spills(ptx, tmp_path):
 @pytest.mark.parametrize("d, dtype", CASES, ids=str)
 def test_ptx(d, dtype, tmp_path):
     fn = forward.make_forward(d, d, True)[0]
-    forward_ptx = cuda.compile_ptx(fn, tiles.signature(dtype, tiles.FORWARD_ARGS), cc=(9, 0))[0]
+    forward_ptx = cuda.compile_ptx(fn, tiles.signature(dtype, tiles.SIMT_FORWARD_ARGS),
+                                   cc=(9, 0))[0]
     _check(forward_ptx)
     fn = backward.make_dkdv(d, d, True)[0]
     _check(cuda.compile_ptx(fn, tiles.signature(dtype, tiles.DKDV_ARGS), cc=(9, 0))[0])
@@ -70,6 +71,28 @@ def test_ptx(d, dtype, tmp_path):
     ptx = cuda.compile_ptx(backward.prep, tiles.signature(dtype, tiles.PREP_ARGS), cc=(9, 0))[0]
     _check(ptx)
     _check_spills(forward_ptx, tmp_path)  # last: it skips where ptxas is missing
+
+
+MASK_CASES = [("bool", np.bool_, True), ("float", np.float16, False)]
+if os.environ.get("CPUFLASH_PTX_QUICK") == "1":  # CI: the forward with a bool mask (25 s)
+    MASK_CASES = [("bool", np.bool_, False)]
+
+
+@pytest.mark.parametrize("mask, mask_dtype, with_backward", MASK_CASES, ids=str)
+def test_ptx_mask_and_dropout(mask, mask_dtype, with_backward):
+    """The SIMT kernels with the caller's mask and dropout (the 32-bit hash of
+    ``_cuda/dropout.py``, its multipliers in the code) for sm_90, no float64, no spills."""
+    from cpuflash._cuda.dropout import FMIX1
+    sig = {name: tiles.signature(np.float32, args, mask_dtype) for name, args in
+           (("forward", tiles.SIMT_FORWARD_ARGS), ("dkdv", tiles.DKDV_ARGS),
+            ("dq", tiles.DQ_ARGS))}
+    makers = [("forward", forward.make_forward)]
+    if with_backward:
+        makers += [("dkdv", backward.make_dkdv), ("dq", backward.make_dq)]
+    for name, make in makers:
+        ptx = cuda.compile_ptx(make(64, 64, False, mask, True)[0], sig[name], cc=(9, 0))[0]
+        _check(ptx)
+        assert str(FMIX1 - 2**32) in ptx or str(FMIX1) in ptx, name
 
 
 @pytest.mark.parametrize("pad, threads, keys", [(64, 128, 64), (128, 128, 32), (256, 128, 16),

@@ -122,7 +122,8 @@ def _torch_view(x):
     return GpuArray(x.data_ptr() if x.numel() else 0, shape, strides, dtype, stream, x)
 
 
-_TORCH_DTYPES = {f"torch.{name}": np.dtype(name) for name in ("float16", "float32", "float64")}
+_TORCH_DTYPES = {f"torch.{name}": np.dtype(name)
+                 for name in ("float16", "float32", "float64", "bool")}
 
 
 def as_4d(x):

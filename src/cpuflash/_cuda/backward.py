@@ -25,6 +25,7 @@ from numba import float32, int64
 
 from .arrays import view
 from .codegen import build, expand, rep
+from .dropout import SOURCE_STAMP, keep_scale, row_mix
 from .launch import compiled
 from .runtime import load
 from .tiles import (
@@ -39,10 +40,12 @@ from .tiles import (
     PREP_ARGS,
     ZERO,
     backward_shape,
+    extra_args,
     first_key,
     grad_lines,
     index_mask,
     last_key,
+    mask_prologue,
     option_args,
     pad8,
     shared_size,
@@ -79,7 +82,8 @@ COMMON = """
 """
 
 DKDV = """
-def dkdv(q, k, v, dout, lse2, delta, scale2, left, right, kv_lens, softcap2, slopes2, dk, dv):
+def dkdv(q, k, v, dout, lse2, delta, scale2, left, right, kv_lens, softcap2, slopes2, mask,
+         seed_mix, drop_below, inv_keep, dk, dv):
     n_hq, n_q, d = q.shape[1], q.shape[2], q.shape[3]
     n_hkv, n_k, d_v = k.shape[1], k.shape[2], v.shape[3]
     group = n_hq // n_hkv
@@ -116,6 +120,7 @@ def dkdv(q, k, v, dout, lse2, delta, scale2, left, right, kv_lens, softcap2, slo
     @init
     for h in range(hk * group, hk * group + group):
         slope2 = slopes2[b, h]
+        @per_head
         for qt in range(i_lo // BC, (i_hi // BC + 1) if i_hi >= i_lo else 0):
             q0 = qt * BC
             cuda.syncthreads()  # the last tile's reads done
@@ -147,7 +152,7 @@ def dkdv(q, k, v, dout, lse2, delta, scale2, left, right, kv_lens, softcap2, slo
 
 DQ = """
 def dq_kernel(q, k, v, dout, lse2, delta, scale2, left, right, kv_lens, softcap2, slopes2,
-              scale, dq):
+              mask, seed_mix, drop_below, inv_keep, scale, dq):
     n_hq, n_q, d = q.shape[1], q.shape[2], q.shape[3]
     n_hkv, d_v = k.shape[1], v.shape[3]
     qs = cuda.shared.array(SK_R, float32)   # Q^T of the block's queries, times scale2
@@ -228,7 +233,7 @@ def _blocks(own, other, TM, TN, CK, CV):
 
 
 @functools.cache
-def make_dkdv(d_pad, dv_pad, mods):
+def make_dkdv(d_pad, dv_pad, mods, mask=None, dropout=False):
     TY, TM, TN = backward_shape(d_pad, dv_pad)
     NT, BR, BC = 8 * TY, TY * TM, 8 * TN
     DK, DV, CK, CV = d_pad, dv_pad, d_pad // 8, dv_pad // 8
@@ -239,9 +244,11 @@ def make_dkdv(d_pad, dv_pad, mods):
         grad += [f"qi = q0 + tx + {8 * c}",
                  "lse2_c = lse2[b, h, qi] if qi < n_q else POS_INF",
                  "delta_c = delta[b, h, qi] if qi < n_q else ZERO"]
+        if dropout:
+            grad += ["mix_c = row_mix(seed_mix, (b * n_hq + h) * n_q + qi)"]
         for i in range(TM):
             grad += grad_lines(f"s{i}_{c}", f"dp{i}_{c}", "qi", f"k0 + ty * TM + {i}",
-                               "lse2_c", "delta_c", mods)
+                               "lse2_c", "delta_c", mods, mask, "mix_c" if dropout else None)
     acc = []
     for c in range(TN):
         acc += rep(f"pr{{i}} = shfl_sync(FULL_MASK, s{{i}}_{c}, base + t)", i=TM)
@@ -261,7 +268,7 @@ def make_dkdv(d_pad, dv_pad, mods):
                      f"g{i}_{{cc}} * LN2", cc=CK)
         store += rep(f"    if tx + {{cc8}} < d_v: dv[b, hk, k0 + ty * TM + {i}, tx + {{cc8}}] = "
                      f"v{i}_{{cc}}", cc=CV)
-    source = expand(DKDV, grad=grad, acc=acc, store=store,
+    source = expand(DKDV, grad=grad, acc=acc, store=store, per_head=mask_prologue(mask),
                     init=rep("g{i}_{cc} = ZERO", i=TM, cc=CK) + rep("v{i}_{cc} = ZERO", i=TM,
                                                                      cc=CV),
                     **blocks)
@@ -272,7 +279,7 @@ def make_dkdv(d_pad, dv_pad, mods):
 
 
 @functools.cache
-def make_dq(d_pad, dv_pad, mods):
+def make_dq(d_pad, dv_pad, mods, mask=None, dropout=False):
     TY, TM, TN = backward_shape(d_pad, dv_pad)
     NT, BR, BC = 8 * TY, TY * TM, 8 * TN
     DK, DV, CK, CV = d_pad, dv_pad, d_pad // 8, dv_pad // 8
@@ -283,11 +290,15 @@ def make_dq(d_pad, dv_pad, mods):
         stats += [f"r{i} = q0 + ty * TM + {i}",
                   f"lse2_{i} = lse2[b, h, r{i}] if r{i} < n_q else POS_INF",
                   f"delta_{i} = delta[b, h, r{i}] if r{i} < n_q else ZERO"]
+        if dropout:
+            stats += [f"mix_{i} = row_mix(seed_mix, (b * n_hq + h) * n_q + r{i})"]
+    stats += mask_prologue(mask)
     grad = []
     for i in range(TM):
         for c in range(TN):
             grad += grad_lines(f"s{i}_{c}", f"dp{i}_{c}", f"r{i}", f"k0 + tx + {8 * c}",
-                               f"lse2_{i}", f"delta_{i}", mods)
+                               f"lse2_{i}", f"delta_{i}", mods, mask,
+                               f"mix_{i}" if dropout else None)
     acc = []
     for c in range(TN):
         acc += rep(f"gr{{i}} = shfl_sync(FULL_MASK, dp{{i}}_{c}, base + t)", i=TM)
@@ -311,26 +322,34 @@ def make_dq(d_pad, dv_pad, mods):
 
 def _names(**consts):
     return {"cuda": cuda, "math": math, "shfl_sync": shfl_sync, "float32": float32,
-            "int64": int64, "FULL_MASK": FULL_MASK, "LN2": LN2, "POS_INF": POS_INF,
-            "ONE": ONE, "ZERO": ZERO, "ANY": index_mask(1), **consts}
+            "int64": int64, "FULL_MASK": FULL_MASK, "LN2": LN2, "LOG2_E": LOG2_E,
+            "NEG_INF": NEG_INF, "POS_INF": POS_INF, "ONE": ONE, "ZERO": ZERO,
+            "ANY": index_mask(1), "row_mix": row_mix, "keep_scale": keep_scale,
+            "DROPOUT_STAMP": SOURCE_STAMP, **consts}
 
 
 @functools.cache
-def kernels(d_pad, dv_pad, mods, dtype):
+def kernels(d_pad, dv_pad, mods, dtype, extras=(None, "|u1", False)):
+    """The compiled prep, dK/dV and dQ kernels; ``extras``: ``tiles.extra_args``'s kinds."""
+    mask, mask_dtype, dropout = extras
     return (compiled(prep, signature(dtype, PREP_ARGS)),) + tuple(
-        (compiled(fn, signature(dtype, args)), threads, rows) for (fn, threads, rows), args in
-        ((make_dkdv(d_pad, dv_pad, mods), DKDV_ARGS), (make_dq(d_pad, dv_pad, mods), DQ_ARGS)))
+        (compiled(fn, signature(dtype, args, mask_dtype)), threads, rows)
+        for (fn, threads, rows), args in
+        ((make_dkdv(d_pad, dv_pad, mods, mask, dropout), DKDV_ARGS),
+         (make_dq(d_pad, dv_pad, mods, mask, dropout), DQ_ARGS)))
 
 
 def run_backward(dout, q, k, v, out, lse, scale, band, mods, dq, dk, dv, stream=None,
-                 scratch=None):
+                 scratch=None, mask=None, drop=(0, 0)):
     """Launch on 4-D ``GpuArray``s, on the raw ``stream``; writes ``dq, dk, dv`` (4-D, the
-    dtypes of q, k, v). ``scratch(shape)``: a new float32 ``GpuArray`` (default: numba's)."""
+    dtypes of q, k, v). ``scratch(shape)``: a new float32 ``GpuArray`` (default: numba's).
+    ``mask``, ``drop``: as ``forward.run_forward`` takes them."""
     n_b, n_hq, n_q, d = q.shape
     n_hkv, n_k, d_v = k.shape[1], k.shape[2], v.shape[3]
     options, has_mods = option_args(scale, band, mods)
+    kinds, extras = extra_args(mask, drop)
     prep_k, (dkdv_k, t1, r1), (dq_k, t2, r2) = kernels(pad8(d), pad8(d_v), has_mods,
-                                                         np.dtype(q.dtype).str)
+                                                         np.dtype(q.dtype).str, kinds)
     if scratch is None:
         scratch = lambda shape: view(cuda.device_array(shape, dtype=np.float32))  # noqa: E731
     delta = scratch((n_b, n_hq, n_q))
@@ -338,7 +357,7 @@ def run_backward(dout, q, k, v, out, lse, scale, band, mods, dq, dk, dv, stream=
     rows = n_b * n_hq * n_q
     if rows:
         prep_k(-(-rows // 128), 128, stream, dout, out, lse, delta, lse2)
-    args = (q, k, v, dout, lse2, delta, *options)
+    args = (q, k, v, dout, lse2, delta, *options, *extras)
     if n_b * n_hkv and n_k:
         dkdv_k((n_b * n_hkv, -(-n_k // r1)), t1, stream, *args, dk, dv)
     if rows:

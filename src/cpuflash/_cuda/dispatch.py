@@ -83,11 +83,35 @@ def _options(q, k, v, causal, scale, mask, window, kv_lens, alibi_slopes, softca
     mods = masks.modifiers(softcap, _host("alibi_slopes", alibi_slopes), n_b, n_hq)
     drop = masks.dropout(dropout_p, seed)
     if mask is not None:
-        raise NotImplementedError("mask: a bool/float mask is not yet on the CUDA path "
-                                  "(causal, window, kv_lens, alibi_slopes and softcap are)")
-    if drop[0]:
-        raise NotImplementedError("dropout_p: dropout is not yet on the CUDA path")
-    return dv, _checks.scale(scale, d), band, mods
+        _mask(mask, (n_b, n_hq, _n_q, n_k))
+    return dv, _checks.scale(scale, d), band, mods, drop
+
+
+def _mask(mask, shape):
+    """The caller's mask (a ``GpuArray``, or numpy for numpy inputs): bool, float16 or float32
+    (float64 only from numpy, converted there), broadcastable to ``shape``."""
+    dtype = np.dtype(mask.dtype)
+    if dtype != np.bool_ and dtype.kind != "f":
+        raise TypeError(f"mask: expected a bool or float array, got {dtype}")
+    if dtype == np.float64 and not isinstance(mask, np.ndarray):
+        raise NotImplementedError("mask: a float64 mask is not on the CUDA path; pass it as "
+                                  "float32 (or bool)")
+    masks.broadcast_shape(tuple(mask.shape), shape)
+
+
+def _mask_4d(views):
+    """The mask of ``views`` (uploaded, a ``GpuArray``) as 4-D, or None."""
+    mask = views.get("mask")
+    return None if mask is None else arrays.as_4d(mask)
+
+
+def _with_mask(named, mask):
+    """``named`` with the mask joined (numpy: float64 as float32, uploaded with the rest)."""
+    if mask is None:
+        return named
+    if isinstance(mask, np.ndarray) and mask.dtype == np.float64:
+        mask = mask.astype(np.float32)
+    return dict(named, mask=mask)
 
 
 class _Shape:
@@ -98,9 +122,10 @@ class _Shape:
 def attention(q, k, v, *, causal, scale, mask, window, kv_lens, alibi_slopes, softcap,
               dropout_p, seed, return_lse, out, device):
     from .forward import run_forward
-    views, kind = _inputs({"q": q, "k": k, "v": v}, device)
-    dv, scale, band, mods = _options(views["q"], views["k"], views["v"], causal, scale, mask,
-                                     window, kv_lens, alibi_slopes, softcap, dropout_p, seed)
+    views, kind = _inputs(_with_mask({"q": q, "k": k, "v": v}, mask), device)
+    dv, scale, band, mods, drop = _options(views["q"], views["k"], views["v"], causal, scale,
+                                           views.get("mask"), window, kv_lens, alibi_slopes,
+                                           softcap, dropout_p, seed)
     views = _upload(views)
     qd = views["q"]
     out_shape = tuple(q.shape[:-1]) + (dv,)
@@ -117,7 +142,8 @@ def attention(q, k, v, *, causal, scale, mask, window, kv_lens, alibi_slopes, so
         result, out_dev = arrays.empty(out_shape, qd.dtype, like)
     lse_result, lse_dev = arrays.empty(tuple(q.shape[:-1]), np.float32, like)
     run_forward(*(arrays.as_4d(views[n]) for n in "qkv"), scale, band, mods,
-                arrays.as_4d(out_dev), arrays.as_nd(lse_dev, 3), qd.stream)
+                arrays.as_4d(out_dev), arrays.as_nd(lse_dev, 3), qd.stream,
+                mask=_mask_4d(views), drop=drop)
     if kind == "numpy":
         result = out_dev.copy_to_host()
         lse_result = lse_dev.copy_to_host() if return_lse else None
@@ -140,10 +166,11 @@ def _matches(name, x, shape, dtype):
 def attention_backward(dout, q, k, v, out, lse, *, causal, scale, mask, window, kv_lens,
                        alibi_slopes, softcap, dropout_p, seed, device):
     from .backward import run_backward
-    views, kind = _inputs({"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse},
-                          device)
-    dv, scale, band, mods = _options(views["q"], views["k"], views["v"], causal, scale, mask,
-                                     window, kv_lens, alibi_slopes, softcap, dropout_p, seed)
+    views, kind = _inputs(_with_mask({"q": q, "k": k, "v": v, "dout": dout, "out": out,
+                                      "lse": lse}, mask), device)
+    dv, scale, band, mods, drop = _options(views["q"], views["k"], views["v"], causal, scale,
+                                           views.get("mask"), window, kv_lens, alibi_slopes,
+                                           softcap, dropout_p, seed)
     qd = views["q"]
     out_shape = tuple(q.shape[:-1]) + (dv,)
     for name in ("dout", "out"):
@@ -156,7 +183,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal, scale, mask, window, 
     run_backward(*(arrays.as_4d(views[n]) for n in ("dout", "q", "k", "v", "out")),
                  arrays.as_nd(views["lse"], 3), scale, band, mods,
                  *(arrays.as_4d(g[1]) for g in grads), stream=views["q"].stream,
-                 scratch=lambda shape: arrays.empty(shape, np.float32, like)[1])
+                 scratch=lambda shape: arrays.empty(shape, np.float32, like)[1],
+                 mask=_mask_4d(views), drop=drop)
     if kind == "numpy":
         return tuple(g[1].copy_to_host() for g in grads)
     return tuple(g[0] for g in grads)

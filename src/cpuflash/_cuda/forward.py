@@ -33,23 +33,27 @@ import numpy as np
 from numba import float32, int64
 
 from .codegen import build, expand, join, rep
+from .dropout import SOURCE_STAMP, keep_scale, row_mix
 from .launch import compiled
 from .runtime import device_capability, load, simulated
 from .tiles import (
-    FORWARD_ARGS,
     FORWARD_BLOCK,
     FULL_MASK,
     LN2,
+    LOG2_E,
     NEG_INF,
+    SIMT_FORWARD_ARGS,
     ONE,
     ZERO,
     aligned,
     band_lines,
     column,
     column_offset,
+    extra_args,
     forward_shape,
     group_width,
     index_mask,
+    mask_prologue,
     option_args,
     pad8,
     q_block_lines,
@@ -67,7 +71,8 @@ cuda = load()
 
 
 TEMPLATE = """
-def forward(q, k, v, scale2, left, right, kv_lens, softcap2, slopes2, out, lse):
+def forward(q, k, v, scale2, left, right, kv_lens, softcap2, slopes2, mask, seed_mix,
+            drop_below, inv_keep, out, lse):
     n_hq, n_q, d = q.shape[1], q.shape[2], q.shape[3]
     n_hkv, dv = k.shape[1], v.shape[3]
     qs = cuda.shared.array(Q_SIZE, float32@aligned)    # Q^T: [c * BM + r]
@@ -120,9 +125,10 @@ def forward(q, k, v, scale2, left, right, kv_lens, softcap2, slopes2, out, lse):
 
 
 @functools.cache
-def make_forward(d_pad, dv_pad, mods):
-    """The forward kernel for head dims up to ``d_pad``/``dv_pad`` (multiples of 8) and
-    ``mods`` (softcap or ALiBi on). Returns ``(python_function, threads, rows_per_block)``;
+def make_forward(d_pad, dv_pad, mods, mask=None, dropout=False):
+    """The forward kernel for head dims up to ``d_pad``/``dv_pad`` (multiples of 8), ``mods``
+    (softcap or ALiBi on), the caller's ``mask`` (None, "bool" or "float") and ``dropout``
+    (on or off; ``tiles.extra_args``). Returns ``(python_function, threads, rows_per_block)``;
     ``kernel`` compiles it, the tests also through ``cuda.compile_ptx``."""
     TY, TM, TN = forward_shape(d_pad, dv_pad)
     NT, BM, BN = 8 * TY, TY * TM, 8 * TN
@@ -149,10 +155,13 @@ def make_forward(d_pad, dv_pad, mods):
                            f"row_sum += s{i}_{c}"] for c in range(TN)))
         softmax += [f"row_sum += shfl_xor_sync(FULL_MASK, row_sum, {x})" for x in (1, 2, 4)]
         softmax += [f"l{i} = alpha * l{i} + row_sum", f"{m} = m_new"]
+        if dropout:  # after the sums: l normalizes the probabilities before dropout
+            softmax += [f"s{i}_{c} *= keep_scale(mix{i}, k0 + {column(c, WK)}, drop_below, "
+                        "inv_keep)" for c in range(TN)]
         softmax += rep(f"a{i}_{{cc}} *= alpha", cc=CV)
     elements = [(f"s{i}_{c}", f"r{i}", f"k0 + {column(c, WK)}", i)
                 for i in range(TM) for c in range(TN)]
-    scores = rows + score_lines(elements, [(i, f"r{i}") for i in range(TM)], mods)
+    scores = rows + score_lines(elements, [(i, f"r{i}") for i in range(TM)], mods, mask)
     store = list(rows)
     for i in range(TM):
         store += [f"if r{i} < n_q:",
@@ -187,7 +196,9 @@ def make_forward(d_pad, dv_pad, mods):
     source = expand(
         TEMPLATE,
         init=rep("m{i} = NEG_INF", i=TM) + rep("l{i} = ZERO", i=TM)
-        + rep("a{i}_{cc} = ZERO", i=TM, cc=CV),
+        + rep("a{i}_{cc} = ZERO", i=TM, cc=CV) + mask_prologue(mask)
+        + (rep("mix{i} = row_mix(seed_mix, bh * n_q + q0 + ty * TM + {i})", i=TM)
+           if dropout else []),
         zero_s=rep("s{i}_{c} = ZERO", i=TM, c=TN),
         zero_kx=rep("kx{u} = ZERO", u=len(tile_elements(DK, NT, BN)[0])),
         s_step=s_step, scores=scores, softmax=softmax, band=band_lines(), pv=pv, store=store,
@@ -199,7 +210,9 @@ def make_forward(d_pad, dv_pad, mods):
     ).replace("@aligned", aligned())
     names = {"cuda": cuda, "math": math, "shfl_sync": shfl_sync,
              "shfl_xor_sync": shfl_xor_sync, "float32": float32, "int64": int64,
-             "FULL_MASK": FULL_MASK, "LN2": LN2, "NEG_INF": NEG_INF, "ONE": ONE, "ZERO": ZERO,
+             "FULL_MASK": FULL_MASK, "LN2": LN2, "LOG2_E": LOG2_E, "NEG_INF": NEG_INF,
+             "ONE": ONE, "ZERO": ZERO, "row_mix": row_mix, "keep_scale": keep_scale,
+             "DROPOUT_STAMP": SOURCE_STAMP,
              "TM": TM, "BM": BM, "BN": BN, "NT": NT, "DK": DK, "DV": DV, "Q_SIZE": Q_SIZE,
              "KV_SIZE": KV_SIZE, "MODS": mods, "WK": WK, "WV": WV, "ANY": index_mask(1)}
     return build(source, "forward", names), NT, BM
@@ -220,21 +233,28 @@ def tensor_cores(q, k, v):
 
 
 @functools.cache
-def kernel(d_pad, dv_pad, mods, dtype):
-    fn, threads, rows = make_forward(d_pad, dv_pad, mods)
-    return compiled(fn, signature(dtype, FORWARD_ARGS)), threads, rows
+def kernel(d_pad, dv_pad, mods, dtype, extras=(None, "|u1", False)):
+    """The compiled SIMT kernel; ``extras``: ``tiles.extra_args``'s kinds."""
+    mask, mask_dtype, dropout = extras
+    fn, threads, rows = make_forward(d_pad, dv_pad, mods, mask, dropout)
+    return compiled(fn, signature(dtype, SIMT_FORWARD_ARGS, mask_dtype)), threads, rows
 
 
-def run_forward(q, k, v, scale, band, mods, out, lse, stream=None):
+def run_forward(q, k, v, scale, band, mods, out, lse, stream=None, mask=None, drop=(0, 0)):
     """Launch on 4-D ``GpuArray``s (any strides; float16 or float32), on the raw ``stream``.
-    ``band``, ``mods``: as ``masks.band``/``masks.modifiers`` give them (numpy). Writes ``out``
-    (B, Hq, Nq, Dv) of q's dtype and ``lse`` (B, Hq, Nq) float32, natural log."""
+    ``band``, ``mods``: as ``masks.band``/``masks.modifiers`` give them (numpy); ``mask``: the
+    caller's mask as a 4-D ``GpuArray`` (each axis 1 or full) or None; ``drop``:
+    ``masks.dropout``'s ``(drop_below, seed)``. Writes ``out`` (B, Hq, Nq, Dv) of q's dtype
+    and ``lse`` (B, Hq, Nq) float32, natural log. Calls with a mask or dropout take the SIMT
+    kernel (the tensor-core kernels have neither)."""
     n_b, n_hq, n_q, d = q.shape
     if out.size == 0:
         return
-    module = tensor_cores(q, k, v)
+    module = tensor_cores(q, k, v) if mask is None and drop[0] == 0 else None
     if module is not None:
         return module.run_forward(q, k, v, scale, band, mods, out, lse, stream)
     options, has_mods = option_args(scale, band, mods)
-    fn, threads, rows = kernel(pad8(d), pad8(v.shape[3]), has_mods, np.dtype(q.dtype).str)
-    fn((n_b * n_hq, -(-n_q // rows)), threads, stream, q, k, v, *options, out, lse)
+    kinds, extras = extra_args(mask, drop)
+    fn, threads, rows = kernel(pad8(d), pad8(v.shape[3]), has_mods, np.dtype(q.dtype).str,
+                               kinds)
+    fn((n_b * n_hq, -(-n_q // rows)), threads, stream, q, k, v, *options, *extras, out, lse)

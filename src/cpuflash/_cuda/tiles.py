@@ -156,9 +156,10 @@ def band_lines():
             "kb_lo = lo // BN", "kb_hi = hi // BN + 1 if hi >= lo else kb_lo"]
 
 
-def score_lines(elements, rows, mods):
+def score_lines(elements, rows, mods, mask=None):
     """Source lines: softcap and ALiBi on every score of a tile (each test once for the whole
-    tile), then the band's edges, only on tiles that cross one (``edge``), as ``-inf``.
+    tile), the caller's ``mask`` (``mask_kind``: None, "bool" or "float") on every score, then
+    the band's edges, only on tiles that cross one (``edge``), as ``-inf``.
     ``elements``: ``(score variable, row, key, row tag)``; ``rows``: ``(row tag, row)``, whose
     first and last keys go to ``first{tag}`` and ``last{tag}``. As few Python branches as
     possible: see ``tile_fetch``."""
@@ -169,12 +170,37 @@ def score_lines(elements, rows, mods):
         lines += ["if slope2 != ZERO:"]
         lines += [f"    {s} -= slope2 * float32(abs({r} + off - ({key})))"
                   for s, r, key, _ in elements]
+    lines += [mask_line(s, r, key, mask) for s, r, key, _ in elements if mask]
     lines += ["if edge:"]
     lines += [f"    first{tag} = {first_key(row)}" for tag, row in rows]
     lines += [f"    last{tag} = {last_key(row)}" for tag, row in rows]
     lines += [f"    {s} = cuda.selp(({key} < first{tag}) | ({key} > last{tag}), NEG_INF, {s})"
               for s, _, key, tag in elements]
     return lines
+
+
+# The caller's mask (``attention(mask=...)``), a 4-D array of its own shape, each axis 1
+# (broadcast) or full: ``min(index, length - 1)`` reads both kinds, and clamps the padding rows
+# and keys of a tile into the array (their scores are discarded or masked by the band anyway).
+# A bool mask hides a key as the band does (``-inf``); a float one is added, in base-2 units.
+def mask_prologue(mask, head="h"):
+    """Source lines: the mask's batch and head indices and last row and key, for a kernel
+    with ``b`` and ``head`` defined; none without a mask."""
+    if not mask:
+        return []
+    return ["mb = min(b, mask.shape[0] - 1)", f"mh = min({head}, mask.shape[1] - 1)",
+            "mq = mask.shape[2] - 1", "mk = mask.shape[3] - 1"]
+
+
+def mask_value(row, key):
+    return f"mask[mb, mh, min({row}, mq), min({key}, mk)]"
+
+
+def mask_line(var, row, key, mask):
+    """Source line: the caller's mask on the base-2 score ``var`` of (row, key)."""
+    if mask == "bool":
+        return f"{var} = cuda.selp({mask_value(row, key)}, {var}, NEG_INF)"
+    return f"{var} += LOG2_E * float32({mask_value(row, key)})"
 
 
 def modify_lines(var, row, key, mods, tanh_var=None):
@@ -195,15 +221,28 @@ def modify_lines(var, row, key, mods, tanh_var=None):
     return lines
 
 
-def grad_lines(s, dp, row, key, lse2, delta, mods):
+def grad_lines(s, dp, row, key, lse2, delta, mods, mask=None, mix=None):
     """Source lines: ``s`` becomes P (regenerated from ``lse2``) and ``dp`` becomes dS, the
-    gradient of the natural-unit score, of (row, key); both 0 outside the row's band."""
+    gradient of the natural-unit score, of (row, key); both 0 outside the row's band and
+    where a bool ``mask`` hides the key. With dropout (``mix``: the row's ``row_mix``), dS
+    takes the dropped ``dP * keep / (1 - p)`` and ``s`` ends as the dropped P that ``dV``
+    sums (``delta = rowsum(dO * O)`` is already of the dropped output)."""
     lines = modify_lines(s, row, key, mods, tanh_var="tt")
-    lines += [f"if {key} < {first_key(row)} or {key} > {last_key(row)}:",
+    hidden = f"{key} < {first_key(row)} or {key} > {last_key(row)}"
+    if mask == "bool":
+        hidden += f" or not {mask_value(row, key)}"
+    elif mask:
+        lines += [mask_line(s, row, key, mask)]
+    lines += [f"if {hidden}:",
               f"    {s} = ZERO", f"    {dp} = ZERO",
               "else:",
-              f"    {s} = math.exp2({s} - {lse2})",
-              f"    {dp} = {s} * ({dp} - {delta})"]
+              f"    {s} = math.exp2({s} - {lse2})"]
+    if mix:
+        lines += [f"    z = keep_scale({mix}, {key}, drop_below, inv_keep)",
+                  f"    {dp} = {s} * ({dp} * z - {delta})",
+                  f"    {s} *= z"]
+    else:
+        lines += [f"    {dp} = {s} * ({dp} - {delta})"]
     if mods:
         lines += ["    if softcap2 != ZERO:",
                   f"        {dp} *= ONE - tt * tt  # through c * tanh(s / c)"]
@@ -277,15 +316,17 @@ def shared_size(*sizes):
     return total
 
 
-def signature(dtype, pattern):
+def signature(dtype, pattern, mask_dtype=np.uint8):
     """Numba argument types from a pattern string, one letter per argument: ``X`` a 4-D array
-    of ``dtype``, ``L`` a 3-D float32 array, ``S`` a 2-D float32 array, ``I`` a 1-D int64
-    array, ``f`` float32, ``i`` int64. Arrays are typed layout ``A``: one compiled kernel
-    takes contiguous and strided views alike (each layout would otherwise compile anew)."""
+    of ``dtype``, ``M`` a 4-D array of ``mask_dtype``, ``L`` a 3-D float32 array, ``S`` a 2-D
+    float32 array, ``I`` a 1-D int64 array, ``f`` float32, ``i`` int64. Arrays are typed
+    layout ``A``: one compiled kernel takes contiguous and strided views alike (each layout
+    would otherwise compile anew)."""
     from numba.core import types
     from numba.np import numpy_support
     dt = numpy_support.from_dtype(np.dtype(dtype))
     table = {"X": types.Array(dt, 4, "A"), "L": types.Array(float32, 3, "A"),
+             "M": types.Array(numpy_support.from_dtype(np.dtype(mask_dtype)), 4, "A"),
              "S": types.Array(float32, 2, "A"), "I": types.Array(types.int64, 1, "A"),
              "f": float32, "i": types.int64}
     return tuple(table[c] for c in pattern)
@@ -303,9 +344,32 @@ def option_args(scale, band, mods):
             softcap * LOG2_E, uploaded((slopes * LOG2_E).astype(np.float32))), has_mods
 
 
+def extra_args(mask, drop):
+    """The caller's mask and dropout as the SIMT kernels take them: ``(kinds, args)``.
+    ``kinds = (mask kind, mask dtype, dropout on)`` picks the kernel variant (None, "bool" or
+    "float"; a bool mask is read as bool, a float one as float16 or float32);
+    ``args = (mask, seed_mix, drop_below, inv_keep)``, the ``Miif`` of the patterns below:
+    without a mask, a 1-element uint8 array that no line reads. ``mask``: a 4-D ``GpuArray``
+    (each axis 1 or full) or None; ``drop``: ``masks.dropout``'s ``(drop_below, seed)``."""
+    from .dropout import seed_mix
+    if mask is None:
+        kind, mask = None, uploaded(_NO_MASK)
+    else:
+        kind = "bool" if mask.dtype == np.bool_ else "float"
+    drop_below, seed = drop
+    inv_keep = np.float32(2.0**32 / (2.0**32 - drop_below))  # 1 / (1 - p), as the CPU's
+    kinds = (kind, np.dtype(mask.dtype).str, drop_below > 0)
+    return kinds, (mask, seed_mix(seed), drop_below, inv_keep)
+
+
+_NO_MASK = np.ones((1, 1, 1, 1), dtype=np.uint8)
+
+# The tensor-core kernels take no mask or dropout; the SIMT kernels take ``extra_args``'s
+# four after the options.
 FORWARD_ARGS = "XXXfiiIfSXL"
-DKDV_ARGS = "XXXXLLfiiIfSXX"
-DQ_ARGS = "XXXXLLfiiIfSfX"
+SIMT_FORWARD_ARGS = "XXXfiiIfSMiifXL"
+DKDV_ARGS = "XXXXLLfiiIfSMiifXX"
+DQ_ARGS = "XXXXLLfiiIfSMiiffX"
 PREP_ARGS = "XXLLL"
 
 
