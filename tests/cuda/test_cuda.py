@@ -364,16 +364,19 @@ def test_generated_sources_are_content_addressed_files(tmp_path, monkeypatch):
                          ids=str)
 @pytest.mark.parametrize("opt", [{}, {"causal": True}, {"window": (20, 5)},
                                  {"kv_lens": True, "causal": True},
-                                 {"causal": True, "softcap": 1.5, "alibi": True}], ids=str)
+                                 {"causal": True, "softcap": 1.5, "alibi": True},
+                                 {"mask": "bool", "dropout_p": 0.2, "seed": 9},
+                                 {"mask": "float", "causal": True}], ids=str)
 def test_tensor_core_kernel(shape, opt, monkeypatch):
-    """The 3xTF32 kernel (``forward_mma``) takes float32 calls with head dims up to 128, and is
-    as close to the float64 reference as the SIMT kernel it replaces there."""
+    """The 3xTF32 kernel (``forward_mma``) takes float32 calls with head dims up to 128, masks
+    and dropout included, and is as close to the float64 reference as the SIMT kernel it
+    replaces there."""
     from cpuflash._cuda import arrays, forward
-    opts = _opts(opt, shape)
+    ref_opts, opts = _mask_opts(opt, shape)
     q, k, v = qkv(shape)
     qd, kd, vd = on_gpu(q, k, v)
     assert forward.tensor_cores(*(arrays.as_4d(arrays.view(x)) for x in (qd, kd, vd))) is not None
-    ref, ref_lse = reference.attention(q, k, v, return_lse=True, **opts)
+    ref, ref_lse = reference.attention(q, k, v, return_lse=True, **ref_opts)
     finite = np.isfinite(ref_lse)
     for mma in ("1", "0"):
         monkeypatch.setenv("CPUFLASH_CUDA_MMA", mma)
@@ -401,18 +404,20 @@ def test_tensor_core_kernel_peaked_scores():
                                    (1, 2, 2, 100, 90, 40, 72), (1, 1, 1, 3, 5, 8, 16)], ids=str)
 @pytest.mark.parametrize("opt", [{}, {"causal": True}, {"window": (20, 5)},
                                  {"kv_lens": True, "causal": True},
-                                 {"causal": True, "softcap": 1.5, "alibi": True}], ids=str)
+                                 {"causal": True, "softcap": 1.5, "alibi": True},
+                                 {"mask": "bool", "dropout_p": 0.2, "seed": 9},
+                                 {"mask": "float16", "causal": True}], ids=str)
 def test_tensor_core_kernel_float16(shape, opt, monkeypatch):
-    """The float16 kernel (``forward_f16``) takes float16 calls with head dims up to 128, and
-    is as close to the float64 reference as the SIMT kernel it replaces there (P rounded to
-    float16 costs less than the float16 output's own rounding)."""
+    """The float16 kernel (``forward_f16``) takes float16 calls with head dims up to 128, masks
+    and dropout included, and is as close to the float64 reference as the SIMT kernel it
+    replaces there (P rounded to float16 costs less than the float16 output's own rounding)."""
     from cpuflash._cuda import arrays, forward, forward_f16
-    opts = _opts(opt, shape)
+    ref_opts, opts = _mask_opts(opt, shape)
     q, k, v = qkv(shape, np.float16)
     qd, kd, vd = on_gpu(q, k, v)
     views = (arrays.as_4d(arrays.view(x)) for x in (qd, kd, vd))
     assert forward.tensor_cores(*views) is forward_f16
-    ref, ref_lse = reference.attention(q, k, v, return_lse=True, **opts)
+    ref, ref_lse = reference.attention(q, k, v, return_lse=True, **ref_opts)
     finite = np.isfinite(ref_lse)
     errors = []
     for mma in ("1", "0"):

@@ -42,13 +42,14 @@ from .tiles import (
     LN2,
     LOG2_E,
     NEG_INF,
-    SIMT_FORWARD_ARGS,
+    FORWARD_ARGS,
     ONE,
     ZERO,
     aligned,
     band_lines,
     column,
     column_offset,
+    dropout_lines,
     extra_args,
     forward_shape,
     group_width,
@@ -142,6 +143,8 @@ def make_forward(d_pad, dv_pad, mods, mask=None, dropout=False):
     # and the four rows of an S step share one rotation
     kt_index = "{c} * BN + (({j} + ({c} & -4)) & (BN - 1))"
     rows = rep("r{i} = q0 + ty * TM + {i}", i=TM)
+    elements = [(f"s{i}_{c}", f"r{i}", f"k0 + {column(c, WK)}", i)
+                for i in range(TM) for c in range(TN)]
     softmax = []
     for i in range(TM):
         m = f"m{i}"
@@ -156,11 +159,8 @@ def make_forward(d_pad, dv_pad, mods, mask=None, dropout=False):
         softmax += [f"row_sum += shfl_xor_sync(FULL_MASK, row_sum, {x})" for x in (1, 2, 4)]
         softmax += [f"l{i} = alpha * l{i} + row_sum", f"{m} = m_new"]
         if dropout:  # after the sums: l normalizes the probabilities before dropout
-            softmax += [f"s{i}_{c} *= keep_scale(mix{i}, k0 + {column(c, WK)}, drop_below, "
-                        "inv_keep)" for c in range(TN)]
+            softmax += dropout_lines(elements[i * TN:(i + 1) * TN], lambda _: f"mix{i}")
         softmax += rep(f"a{i}_{{cc}} *= alpha", cc=CV)
-    elements = [(f"s{i}_{c}", f"r{i}", f"k0 + {column(c, WK)}", i)
-                for i in range(TM) for c in range(TN)]
     scores = rows + score_lines(elements, [(i, f"r{i}") for i in range(TM)], mods, mask)
     store = list(rows)
     for i in range(TM):
@@ -237,7 +237,7 @@ def kernel(d_pad, dv_pad, mods, dtype, extras=(None, "|u1", False)):
     """The compiled SIMT kernel; ``extras``: ``tiles.extra_args``'s kinds."""
     mask, mask_dtype, dropout = extras
     fn, threads, rows = make_forward(d_pad, dv_pad, mods, mask, dropout)
-    return compiled(fn, signature(dtype, SIMT_FORWARD_ARGS, mask_dtype)), threads, rows
+    return compiled(fn, signature(dtype, FORWARD_ARGS, mask_dtype)), threads, rows
 
 
 def run_forward(q, k, v, scale, band, mods, out, lse, stream=None, mask=None, drop=(0, 0)):
@@ -245,16 +245,16 @@ def run_forward(q, k, v, scale, band, mods, out, lse, stream=None, mask=None, dr
     ``band``, ``mods``: as ``masks.band``/``masks.modifiers`` give them (numpy); ``mask``: the
     caller's mask as a 4-D ``GpuArray`` (each axis 1 or full) or None; ``drop``:
     ``masks.dropout``'s ``(drop_below, seed)``. Writes ``out`` (B, Hq, Nq, Dv) of q's dtype
-    and ``lse`` (B, Hq, Nq) float32, natural log. Calls with a mask or dropout take the SIMT
-    kernel (the tensor-core kernels have neither)."""
+    and ``lse`` (B, Hq, Nq) float32, natural log. The tensor-core kernels take the calls
+    they can (``tensor_cores``), this module's SIMT kernel the rest."""
     n_b, n_hq, n_q, d = q.shape
     if out.size == 0:
         return
-    module = tensor_cores(q, k, v) if mask is None and drop[0] == 0 else None
-    if module is not None:
-        return module.run_forward(q, k, v, scale, band, mods, out, lse, stream)
     options, has_mods = option_args(scale, band, mods)
     kinds, extras = extra_args(mask, drop)
+    module = tensor_cores(q, k, v)
+    if module is not None:
+        return module.run_forward(q, k, v, options, has_mods, kinds, extras, out, lse, stream)
     fn, threads, rows = kernel(pad8(d), pad8(v.shape[3]), has_mods, np.dtype(q.dtype).str,
                                kinds)
     fn((n_b * n_hq, -(-n_q // rows)), threads, stream, q, k, v, *options, *extras, out, lse)

@@ -40,8 +40,9 @@ import numpy as np
 from numba import float32, int32, int64
 
 from .codegen import build
-from .forward_mma import copy_tile, kernel_source, mtile_rows, mtile_softmax, mtile_state
-from .forward_mma import mtile_tags, pad16, takes
+from .dropout import SOURCE_STAMP, keep_scale, row_mix
+from .forward_mma import copy_tile, kernel_source, mtile_rows, mtile_softmax
+from .forward_mma import mtile_state, mtile_tags, pad16, takes
 from .launch import compiled
 from .mma import copy_async16, copy_commit, copy_wait, copy_wait_all, ldmatrix_x4
 from .mma import ldmatrix_x4_trans, mma_f16, pack_f16
@@ -50,11 +51,12 @@ from .tiles import (
     FORWARD_ARGS,
     FULL_MASK,
     LN2,
+    LOG2_E,
     NEG_INF,
     ONE,
     ZERO,
     index_mask,
-    option_args,
+    mask_prologue,
     shared_size,
     shfl_xor_sync,
     signature,
@@ -116,7 +118,7 @@ def _store_q(bm, dk, threads):
 
 
 @functools.cache
-def make_forward(d_pad, dv_pad, mods):
+def make_forward(d_pad, dv_pad, mods, mask=None, dropout=False):
     """The float16 tensor-core forward kernel for head dims up to ``d_pad``/``dv_pad``
     (multiples of 16, at most ``MAX_HEAD_DIM``) and ``mods`` (softcap or ALiBi on)."""
     DK, DV = d_pad, dv_pad
@@ -147,7 +149,7 @@ def make_forward(d_pad, dv_pad, mods):
             for j in range(NJ):
                 acc = ", ".join(f"s{tag}{j}_{c}" for c in range(4))
                 s_mma += [f"{acc} = mma_f16({qa}, kf{j}_0, kf{j}_1, {acc})"]
-    scores, softmax = mtile_softmax(tags, NJ, mods)
+    scores, softmax = mtile_softmax(tags, NJ, mods, mask, dropout)
     # P V: k-step kk (keys 16kk..16kk+15) takes A = P of S's n-tiles 2kk, 2kk + 1 packed in
     # pairs; each ldmatrix gives the B operands of two n-tiles of the output (dims 16np..+15),
     # for all the warp's m-tiles
@@ -169,6 +171,7 @@ def make_forward(d_pad, dv_pad, mods):
                     acc = ", ".join(f"o{tag}{nd}_{c}" for c in range(4))
                     pv += [f"{acc} = mma_f16({pa}, {b0}, {b1}, {acc})"]
     init, store = mtile_state(tags, NVD)
+    init += mask_prologue(mask)
     rescale, load_q = [], []
     for tag in tags:
         rescale += [f"o{tag}{nd}_{c} *= alpha{tag}_{'lo' if c < 2 else 'hi'}"
@@ -204,7 +207,9 @@ def make_forward(d_pad, dv_pad, mods):
              "ldmatrix_x4": ldmatrix_x4, "ldmatrix_x4_trans": ldmatrix_x4_trans,
              "copy_async16": copy_async16,
              "copy_commit": copy_commit, "copy_wait": copy_wait, "copy_wait_all": copy_wait_all,
-             "FULL_MASK": FULL_MASK, "LN2": LN2, "NEG_INF": NEG_INF, "ONE": ONE, "ZERO": ZERO,
+             "FULL_MASK": FULL_MASK, "LN2": LN2, "LOG2_E": LOG2_E, "NEG_INF": NEG_INF,
+             "ONE": ONE, "ZERO": ZERO, "row_mix": row_mix, "keep_scale": keep_scale,
+             "DROPOUT_STAMP": SOURCE_STAMP,
              "BM": BM, "BN": BN, "NT": NT, "LDK": LDK, "LDV": LDV, "V_AT": V_AT, "SIZE": SIZE,
              "Q_AT": Q_AT, "LDQ": LDQ,
              "MODS": mods, "ANY": index_mask(1), "ALIGN4": index_mask(4)}
@@ -212,15 +217,16 @@ def make_forward(d_pad, dv_pad, mods):
 
 
 @functools.cache
-def kernel(d_pad, dv_pad, mods):
-    fn, threads, rows = make_forward(d_pad, dv_pad, mods)
-    return compiled(fn, signature(np.float16, FORWARD_ARGS)), threads, rows
+def kernel(d_pad, dv_pad, mods, extras=(None, "|u1", False)):
+    """The compiled kernel; ``extras``: ``tiles.extra_args``'s kinds."""
+    mask, mask_dtype, dropout = extras
+    fn, threads, rows = make_forward(d_pad, dv_pad, mods, mask, dropout)
+    return compiled(fn, signature(np.float16, FORWARD_ARGS, mask_dtype)), threads, rows
 
 
-def run_forward(q, k, v, scale, band, mods, out, lse, stream=None):
-    """As ``forward.run_forward`` (which calls it for a non-empty ``out``), on the tensor
-    cores in float16; ``usable`` must hold."""
+def run_forward(q, k, v, options, has_mods, kinds, extras, out, lse, stream=None):
+    """Launch for ``forward.run_forward`` (which calls it for a non-empty ``out``, with the
+    kernels' option and extra arguments and their kinds); ``usable`` must hold."""
     n_b, n_hq, n_q, d = q.shape
-    options, has_mods = option_args(scale, band, mods)
-    fn, threads, rows = kernel(pad16(d), pad16(v.shape[3]), has_mods)
-    fn((n_b * n_hq, -(-n_q // rows)), threads, stream, q, k, v, *options, out, lse)
+    fn, threads, rows = kernel(pad16(d), pad16(v.shape[3]), has_mods, kinds)
+    fn((n_b * n_hq, -(-n_q // rows)), threads, stream, q, k, v, *options, *extras, out, lse)

@@ -40,6 +40,7 @@ import numpy as np
 from numba import float32, int64
 
 from .codegen import build, expand, join, rep
+from .dropout import SOURCE_STAMP, keep_scale, row_mix
 from .launch import compiled
 from .mma import copy_async16, copy_commit, copy_wait, copy_wait_all, mma_tf32, tf32
 from .runtime import load
@@ -48,12 +49,14 @@ from .tiles import (
     FORWARD_BLOCK,
     FULL_MASK,
     LN2,
+    LOG2_E,
     NEG_INF,
     ONE,
     ZERO,
     band_lines,
+    dropout_lines,
     index_mask,
-    option_args,
+    mask_prologue,
     q_block_lines,
     score_lines,
     SHARED_FLOATS,
@@ -131,7 +134,8 @@ def usable(q, k, v, device_cc):
 # ``KERNEL``. The pipeline: K tile 0 in flight before the loop; per key tile, V in flight
 # during S = Q K^T and the next K during the softmax and P V.
 TEMPLATE = """
-def KERNEL(q, k, v, scale2, left, right, kv_lens, softcap2, slopes2, out, lse):
+def KERNEL(q, k, v, scale2, left, right, kv_lens, softcap2, slopes2, mask, seed_mix,
+           drop_below, inv_keep, out, lse):
     @preamble
     @shared
     @block
@@ -269,19 +273,25 @@ def mtile_rows(tags, split=1):
     return lines
 
 
-def mtile_softmax(tags, nj, mods):
-    """Lines: score modifiers and band masks (``score_lines``), and the online softmax
-    (``softmax_lines``), of a tile of scores ``s{tag}{j}_{c}`` (``nj`` n-tiles of 8 keys per
-    m-tile, accumulator layout: the key of ``s{tag}{j}_{c}`` is k0 + 8j + 2t + (c & 1), its
-    row ``r{tag}_lo`` for c < 2, else ``r{tag}_hi``)."""
+def mtile_softmax(tags, nj, mods, mask=None, dropout=False):
+    """Lines: score modifiers, the caller's mask and band masks (``score_lines``), and the
+    online softmax (``softmax_lines``) with dropout after the sums, of a tile of scores
+    ``s{tag}{j}_{c}`` (``nj`` n-tiles of 8 keys per m-tile, accumulator layout: the key of
+    ``s{tag}{j}_{c}`` is k0 + 8j + 2t + (c & 1), its row ``r{tag}_lo`` for c < 2, else
+    ``r{tag}_hi``)."""
     elements, row_tags, softmax = [], [], []
     for i, tag in enumerate(tags):
-        elements += [(f"s{tag}{j}_{c}", f"r{tag}_lo" if c < 2 else f"r{tag}_hi",
-                      f"k0 + {8 * j + (c & 1)} + 2 * t", 2 * i + (c >= 2))
-                     for j in range(nj) for c in range(4)]
+        mine = [(f"s{tag}{j}_{c}", f"r{tag}_lo" if c < 2 else f"r{tag}_hi",
+                 f"k0 + {8 * j + (c & 1)} + 2 * t", 2 * i + (c >= 2))
+                for j in range(nj) for c in range(4)]
+        elements += mine
         row_tags += [(2 * i, f"r{tag}_lo"), (2 * i + 1, f"r{tag}_hi")]
         softmax += softmax_lines(nj, tag)
-    return score_lines(elements, row_tags, mods), softmax
+        if dropout:  # the rows' hash inputs made here, not kept: registers are short
+            softmax += [f"mix_r{tag}_{w} = row_mix(seed_mix, bh * n_q + r{tag}_{w})"
+                        for w in ("lo", "hi")]
+            softmax += dropout_lines(mine, lambda row: f"mix_{row}")
+    return score_lines(elements, row_tags, mods, mask), softmax
 
 
 def mtile_state(tags, nvd, dim0="", writes_lse="t == 0"):
@@ -296,7 +306,7 @@ def mtile_state(tags, nvd, dim0="", writes_lse="t == 0"):
 
 
 @functools.cache
-def make_forward(d_pad, dv_pad, mods):
+def make_forward(d_pad, dv_pad, mods, mask=None, dropout=False):
     """The tensor-core forward kernel for float32 head dims up to ``d_pad``/``dv_pad``
     (multiples of 16, at most ``MAX_HEAD_DIM``) and ``mods`` (softcap or ALiBi on): the
     kernel, its threads, its query rows and its bytes of dynamic shared memory."""
@@ -350,7 +360,7 @@ def make_forward(d_pad, dv_pad, mods):
             exchange_out += [f"sm[X_AT + {e * NT} + tid] = {x}"]
             exchange_in += [f"{x} += sm[X_AT + {e * NT} + (tid ^ 32)]"]
     s_mma += exchange_out
-    scores, softmax = mtile_softmax(tags, NJ, mods)
+    scores, softmax = mtile_softmax(tags, NJ, mods, mask, dropout)
     # P V: per k-step kk (keys 8kk..8kk+7 = S's n-tile kk) A = (s0, s2, s1, s3) of that
     # n-tile; per n-tile nd (dims 8nd..8nd+7) B = V[8kk + 2t, 8nd + g], V[8kk + 2t + 1, 8nd + g],
     # split once for all the warp's m-tiles.
@@ -391,6 +401,7 @@ def make_forward(d_pad, dv_pad, mods):
         init, store = mtile_state(tags, NVD, f" + {DVW} * half", "t == 0 and half == 0")
     else:
         init, store = mtile_state(tags, NVD)
+    init += mask_prologue(mask)
     source = kernel_source(
         "forward_mma",
         shared=["# Q block [row][dim] (row LDQ) at 0, K tile [key][dim] (row LDK) at K_AT, V tile "
@@ -409,7 +420,9 @@ def make_forward(d_pad, dv_pad, mods):
     names = {"cuda": cuda, "math": math, "shfl_xor_sync": shfl_xor_sync, "float32": float32,
              "int64": int64, "tf32": tf32, "mma_tf32": mma_tf32, "copy_async16": copy_async16,
              "copy_commit": copy_commit, "copy_wait": copy_wait, "copy_wait_all": copy_wait_all,
-             "FULL_MASK": FULL_MASK, "LN2": LN2, "NEG_INF": NEG_INF, "ONE": ONE, "ZERO": ZERO,
+             "FULL_MASK": FULL_MASK, "LN2": LN2, "LOG2_E": LOG2_E, "NEG_INF": NEG_INF,
+             "ONE": ONE, "ZERO": ZERO, "row_mix": row_mix, "keep_scale": keep_scale,
+             "DROPOUT_STAMP": SOURCE_STAMP,
              "BM": BM, "BN": BN, "NT": NT, "DK": DK, "LDQ": LDQ, "LDK": LDK, "LDV": LDV,
              "K_AT": K_AT, "V_AT": V_AT, "X_AT": X_AT, "SIZE": SIZE,
              "MODS": mods, "ANY": index_mask(1), "ALIGN2": index_mask(2),
@@ -418,16 +431,17 @@ def make_forward(d_pad, dv_pad, mods):
 
 
 @functools.cache
-def kernel(d_pad, dv_pad, mods, dtype):
-    fn, threads, rows, dynamic_bytes = make_forward(d_pad, dv_pad, mods)
-    return (compiled(fn, signature(dtype, FORWARD_ARGS), dynamic_bytes), threads, rows,
-            dynamic_bytes)
+def kernel(d_pad, dv_pad, mods, extras=(None, "|u1", False)):
+    """The compiled kernel; ``extras``: ``tiles.extra_args``'s kinds."""
+    mask, mask_dtype, dropout = extras
+    fn, threads, rows, dynamic_bytes = make_forward(d_pad, dv_pad, mods, mask, dropout)
+    return (compiled(fn, signature(np.float32, FORWARD_ARGS, mask_dtype), dynamic_bytes),
+            threads, rows, dynamic_bytes)
 
 
-def run_forward(q, k, v, scale, band, mods, out, lse, stream=None):
-    """As ``forward.run_forward`` (which calls it for a non-empty ``out``), on the tensor
-    cores; ``usable`` must hold."""
+def run_forward(q, k, v, options, has_mods, kinds, extras, out, lse, stream=None):
+    """Launch for ``forward.run_forward`` (which calls it for a non-empty ``out``, with the
+    kernels' option and extra arguments and their kinds); ``usable`` must hold."""
     n_b, n_hq, n_q, d = q.shape
-    options, has_mods = option_args(scale, band, mods)
-    fn, threads, rows, _ = kernel(pad16(d), pad16(v.shape[3]), has_mods, np.dtype(q.dtype).str)
-    fn((n_b * n_hq, -(-n_q // rows)), threads, stream, q, k, v, *options, out, lse)
+    fn, threads, rows, _ = kernel(pad16(d), pad16(v.shape[3]), has_mods, kinds)
+    fn((n_b * n_hq, -(-n_q // rows)), threads, stream, q, k, v, *options, *extras, out, lse)

@@ -192,6 +192,13 @@ def mask_prologue(mask, head="h"):
             "mq = mask.shape[2] - 1", "mk = mask.shape[3] - 1"]
 
 
+def dropout_lines(elements, mix):
+    """Source lines: dropout on the probabilities of ``elements`` (``(variable, row, key,
+    tag)``; ``mix(row)``: the name of the row's ``row_mix``), after their sums."""
+    return [f"{s} *= keep_scale({mix(r)}, {key}, drop_below, inv_keep)"
+            for s, r, key, _ in elements]
+
+
 def mask_value(row, key):
     return f"mask[mb, mh, min({row}, mq), min({key}, mk)]"
 
@@ -345,7 +352,8 @@ def option_args(scale, band, mods):
 
 
 def extra_args(mask, drop):
-    """The caller's mask and dropout as the SIMT kernels take them: ``(kinds, args)``.
+    """The caller's mask and dropout as the forward and backward kernels take them:
+    ``(kinds, args)``.
     ``kinds = (mask kind, mask dtype, dropout on)`` picks the kernel variant (None, "bool" or
     "float"; a bool mask is read as bool, a float one as float16 or float32);
     ``args = (mask, seed_mix, drop_below, inv_keep)``, the ``Miif`` of the patterns below:
@@ -364,10 +372,8 @@ def extra_args(mask, drop):
 
 _NO_MASK = np.ones((1, 1, 1, 1), dtype=np.uint8)
 
-# The tensor-core kernels take no mask or dropout; the SIMT kernels take ``extra_args``'s
-# four after the options.
-FORWARD_ARGS = "XXXfiiIfSXL"
-SIMT_FORWARD_ARGS = "XXXfiiIfSMiifXL"
+# Every kernel takes ``extra_args``'s four after the options.
+FORWARD_ARGS = "XXXfiiIfSMiifXL"
 DKDV_ARGS = "XXXXLLfiiIfSMiifXX"
 DQ_ARGS = "XXXXLLfiiIfSMiiffX"
 PREP_ARGS = "XXLLL"
