@@ -52,11 +52,3 @@ def test_read_only_out():
 def test_bad_thread_count(n, exc):
     with pytest.raises(exc, match="n: expected"):
         cpuflash.set_num_threads(n)
-
-
-def test_int8_cache_is_not_on_the_cuda_path_yet():
-    k8, v8 = K.astype(np.int8), V.astype(np.int8)
-    scales = {"k_scale": np.ones((1, 2, 10), np.float32),
-              "v_scale": np.ones((1, 2, 10), np.float32)}
-    with pytest.raises(NotImplementedError, match="k_scale, v_scale: int8 K/V caches"):
-        cpuflash.attention(Q, k8, v8, device="cuda", **scales)

@@ -30,11 +30,12 @@ def same_dtype(**arrays):
                         "(cast explicitly; cpuflash does not cast silently)")
 
 
-def kv_cache_format(q, k, v, k_scale, v_scale):
+def kv_cache_format(q, k, v, k_scale, v_scale, array_type=np.ndarray):
     """The dtypes of q, k, v. Either all one dtype, or K/V hold a cache in a storage format:
     float16 K/V with float32 q, or int8 K/V (with q float32 or float16) and per-token scales
     ``k_scale``, ``v_scale`` of shape ``k.shape[:-1]``, ``v.shape[:-1]`` (float32). Returns
-    ``(k_scale, v_scale)`` as 3-D (B, Hkv, Nk) views for int8, else None."""
+    ``(k_scale, v_scale)`` as 3-D (B, Hkv, Nk) views for int8 (numpy; other ``array_type``s,
+    the CUDA path's, as given), else None."""
     if k.dtype != v.dtype:
         raise TypeError(f"k, v: expected one dtype, got k={k.dtype}, v={v.dtype} "
                         "(cast explicitly; cpuflash does not cast silently)")
@@ -51,14 +52,16 @@ def kv_cache_format(q, k, v, k_scale, v_scale):
     for name, x_scale, x in (("k_scale", k_scale, k), ("v_scale", v_scale, v)):
         if x_scale is None:
             raise TypeError(f"{name}: required with int8 k and v (K = k * k_scale[..., None])")
-        if not isinstance(x_scale, np.ndarray):
-            raise TypeError(f"{name}: expected a numpy.ndarray, got {type(x_scale).__name__}")
+        if not isinstance(x_scale, array_type):
+            kind = "numpy.ndarray" if array_type is np.ndarray else "GPU array like k"
+            raise TypeError(f"{name}: expected a {kind}, got {type(x_scale).__name__}")
         if x_scale.dtype != np.float32:
             raise TypeError(f"{name}: expected dtype float32, got {x_scale.dtype}")
-        if x_scale.shape != x.shape[:-1]:
-            raise ValueError(f"{name}: expected shape {x.shape[:-1]} (one scale per token and "
-                             f"head), got {x_scale.shape}")
-        scales.append(x_scale.reshape((1,) * (4 - x.ndim) + x_scale.shape))
+        if tuple(x_scale.shape) != tuple(x.shape[:-1]):
+            raise ValueError(f"{name}: expected shape {tuple(x.shape[:-1])} (one scale per "
+                             f"token and head), got {tuple(x_scale.shape)}")
+        scales.append(x_scale.reshape((1,) * (4 - x.ndim) + x_scale.shape)
+                      if isinstance(x_scale, np.ndarray) else x_scale)
     return tuple(scales)
 
 

@@ -57,14 +57,12 @@ def attention(q, k, v, *, causal=False, scale=None, mask=None, window=None, kv_l
     """
     return_lse = _checks.flag("return_lse", return_lse)
     if _on_cuda(q, device):
-        if k_scale is not None or v_scale is not None:
-            raise NotImplementedError("k_scale, v_scale: int8 K/V caches are not yet on the "
-                                      "CUDA path")
         from ._cuda import dispatch
         return dispatch.attention(q, k, v, causal=causal, scale=scale, mask=mask,
                                   window=window, kv_lens=kv_lens, alibi_slopes=alibi_slopes,
                                   softcap=softcap, dropout_p=dropout_p, seed=seed,
-                                  return_lse=return_lse, out=out, device=device)
+                                  return_lse=return_lse, out=out, device=device,
+                                  k_scale=k_scale, v_scale=v_scale)
     call = _prepare(q, k, v, causal, scale, mask, window, kv_lens, alibi_slopes, softcap,
                     dropout_p, seed, k_scale, v_scale)
     out_shape = q.shape[:-1] + (call.dv,)

@@ -220,6 +220,48 @@ def test_mask_and_dropout(shape, opt):
         np.testing.assert_allclose(g, r, atol=5 * tol(np.float32, r), rtol=0, err_msg=name)
 
 
+@pytest.mark.parametrize("cache", ["float16", "int8", "int8 under float16 q"])
+def test_kv_cache_formats(cache):
+    """K/V caches as the CPU path takes them, read in place by the SIMT kernel: float16 K/V
+    under a float32 q, int8 K/V with a scale per token and head (q float32 or float16), against
+    the reference on the K/V they stand for; numpy inputs with device="cuda" too."""
+    shape = (1, 4, 2, 3, 9, 8, 8)  # GQA, a few queries against the cache (decoding)
+    q, k, v = qkv(shape)
+    if cache == "float16":
+        k_c, v_c, scales = k.astype(np.float16), v.astype(np.float16), {}
+        k_ref, v_ref = k_c.astype(np.float32), v_c.astype(np.float32)
+    else:
+        (k_c, k_s), (v_c, v_s) = cpuflash.quantize_int8(k), cpuflash.quantize_int8(v)
+        scales = {"k_scale": k_s, "v_scale": v_s}
+        k_ref, v_ref = k_c * k_s[..., None], v_c * v_s[..., None]
+        if cache.endswith("float16 q"):
+            q = q.astype(np.float16)
+    ref = reference.attention(q, k_ref, v_ref, causal=True)
+    on_device = dict(zip(scales, on_gpu(*scales.values())))
+    out = cpuflash.attention(*on_gpu(q, k_c, v_c), causal=True, **on_device).copy_to_host()
+    assert out.dtype == q.dtype
+    np.testing.assert_allclose(out, ref, atol=tol(q.dtype, ref), rtol=0)
+    out = cpuflash.attention(q, k_c, v_c, causal=True, device="cuda", **scales)
+    np.testing.assert_allclose(out, ref, atol=tol(q.dtype, ref), rtol=0)
+
+
+def test_kv_cache_format_errors():
+    q, k, v = qkv((1, 2, 1, 3, 7, 8, 8))
+    (k8, k_s), (v8, v_s) = cpuflash.quantize_int8(k), cpuflash.quantize_int8(v)
+    gq, gk, gv, gk8, gv8, gks, gvs = on_gpu(q, k, v, k8, v8, k_s, v_s)
+    with pytest.raises(TypeError, match="k_scale: required"):
+        cpuflash.attention(gq, gk8, gv8)
+    with pytest.raises(TypeError, match="k_scale, v_scale: only for int8"):
+        cpuflash.attention(gq, gk, gv, k_scale=gks, v_scale=gvs)
+    with pytest.raises(TypeError, match="k_scale: expected a GPU array"):
+        cpuflash.attention(gq, gk8, gv8, k_scale=k_s, v_scale=gvs)
+    with pytest.raises(ValueError, match="v_scale: expected shape"):
+        cpuflash.attention(gq, gk8, gv8, k_scale=gks, v_scale=on_gpu(v_s[..., :3])[0])
+    g16 = on_gpu(k.astype(np.float16))[0]
+    with pytest.raises(TypeError, match="one dtype"):  # the backward takes one dtype
+        cpuflash.attention_backward(gq, gq, g16, g16, gq, on_gpu(q[..., 0])[0])
+
+
 def test_mask_from_numpy_and_float16_inputs():
     """numpy inputs (device="cuda") with a float64 numpy mask (converted on the host), and
     float16 inputs with a bool mask; a numpy mask beside GPU inputs is refused."""

@@ -61,7 +61,7 @@ def _check_spills(ptx, tmp_path, max_bytes=MAX_SPILL_BYTES):
 @pytest.mark.parametrize("d, dtype", CASES, ids=str)
 def test_ptx(d, dtype, tmp_path):
     fn = forward.make_forward(d, d, True)[0]
-    forward_ptx = cuda.compile_ptx(fn, tiles.signature(dtype, tiles.FORWARD_ARGS),
+    forward_ptx = cuda.compile_ptx(fn, tiles.signature(dtype, tiles.SIMT_FORWARD_ARGS),
                                    cc=(9, 0))[0]
     _check(forward_ptx)
     fn = backward.make_dkdv(d, d, True)[0]
@@ -84,7 +84,7 @@ def test_ptx_mask_and_dropout(mask, mask_dtype, with_backward):
     ``_cuda/dropout.py``, its multipliers in the code) for sm_90, no float64, no spills."""
     from cpuflash._cuda.dropout import FMIX1
     sig = {name: tiles.signature(np.float32, args, mask_dtype) for name, args in
-           (("forward", tiles.FORWARD_ARGS), ("dkdv", tiles.DKDV_ARGS),
+           (("forward", tiles.SIMT_FORWARD_ARGS), ("dkdv", tiles.DKDV_ARGS),
             ("dq", tiles.DQ_ARGS))}
     makers = [("forward", forward.make_forward)]
     if with_backward:
@@ -93,6 +93,16 @@ def test_ptx_mask_and_dropout(mask, mask_dtype, with_backward):
         ptx = cuda.compile_ptx(make(64, 64, False, mask, True)[0], sig[name], cc=(9, 0))[0]
         _check(ptx)
         assert str(FMIX1 - 2**32) in ptx or str(FMIX1) in ptx, name
+
+
+@pytest.mark.skipif(os.environ.get("CPUFLASH_PTX_QUICK") == "1",
+                    reason="CI: one shape class (the float16 loads)")
+@pytest.mark.parametrize("q_dtype", [np.float32, np.float16], ids=str)
+def test_ptx_int8_cache(q_dtype):
+    """The SIMT forward kernel reading an int8 K/V cache times its scales: no float64."""
+    sig = tiles.signature(q_dtype, tiles.SIMT_FORWARD_ARGS, kv_dtype=np.int8)
+    _check(cuda.compile_ptx(forward.make_forward(64, 64, False, quantized=True)[0], sig,
+                            cc=(9, 0))[0])
 
 
 @pytest.mark.skipif(os.environ.get("CPUFLASH_PTX_QUICK") == "1",

@@ -16,13 +16,14 @@ from .tiles import MAX_HEAD_DIM
 GPU_DTYPES = (np.dtype(np.float16), np.dtype(np.float32))
 
 
-def _array(name, x):
+def _array(name, x, int8=False):
     dtype = np.dtype(x.dtype)
     if dtype == np.float64:
         raise NotImplementedError(f"{name}: float64 is not yet on the CUDA path (float16 and "
                                   "float32 are; or use the CPU path with numpy arrays)")
-    if dtype not in GPU_DTYPES:
-        raise TypeError(f"{name}: expected dtype float16 or float32, got {dtype}")
+    if dtype not in GPU_DTYPES and not (int8 and dtype == np.int8):
+        allowed = "float16, float32 or int8 (with a scale)" if int8 else "float16 or float32"
+        raise TypeError(f"{name}: expected dtype {allowed}, got {dtype}")
     if x.ndim not in (2, 3, 4):
         raise ValueError(f"{name}: expected 2-D (N, D), 3-D (H, N, D) or 4-D (B, H, N, D), "
                          f"got {x.ndim}-D with shape {tuple(x.shape)}")
@@ -66,13 +67,20 @@ def _upload(views):
 
 
 def _options(q, k, v, causal, scale, mask, window, kv_lens, alibi_slopes, softcap, dropout_p,
-             seed):
-    """Checked shapes and options: ``(dv, scale, band, mods)``; what the CUDA path lacks
-    raises NotImplementedError."""
+             seed, cache=None):
+    """Checked shapes and options: ``(dv, scale, band, mods, drop, kv_scales)``; what the
+    CUDA path lacks raises NotImplementedError. ``cache``: the forward pass's ``(k_scale,
+    v_scale)``, where K/V may be a cache format (``_checks.kv_cache_format``: float16 K/V
+    with float32 q, or int8 with scales); None: q, k, v of one dtype."""
     for name, x in (("q", q), ("k", k), ("v", v)):
-        _array(name, x)
+        _array(name, x, int8=cache is not None and name != "q")
     _checks.same_rank(q=q, k=k, v=v)
-    _checks.same_dtype(q=q, k=k, v=v)
+    kv_scales = None
+    if cache is None:
+        _checks.same_dtype(q=q, k=k, v=v)
+    else:
+        kv_scales = _checks.kv_cache_format(q, k, v, *cache,
+                                            array_type=(np.ndarray, arrays.GpuArray))
     causal = _checks.flag("causal", causal)
     shape4 = [(1,) * (4 - x.ndim) + tuple(x.shape) for x in (q, k, v)]
     n_b, n_hq, _, _n_q, n_k, d, dv = _checks.qkv_shapes(*(_Shape(s) for s in shape4))
@@ -84,7 +92,7 @@ def _options(q, k, v, causal, scale, mask, window, kv_lens, alibi_slopes, softca
     drop = masks.dropout(dropout_p, seed)
     if mask is not None:
         _mask(mask, (n_b, n_hq, _n_q, n_k))
-    return dv, _checks.scale(scale, d), band, mods, drop
+    return dv, _checks.scale(scale, d), band, mods, drop, kv_scales
 
 
 def _mask(mask, shape):
@@ -120,13 +128,19 @@ class _Shape:
 
 
 def attention(q, k, v, *, causal, scale, mask, window, kv_lens, alibi_slopes, softcap,
-              dropout_p, seed, return_lse, out, device):
+              dropout_p, seed, return_lse, out, device, k_scale=None, v_scale=None):
     from .forward import run_forward
-    views, kind = _inputs(_with_mask({"q": q, "k": k, "v": v}, mask), device)
-    dv, scale, band, mods, drop = _options(views["q"], views["k"], views["v"], causal, scale,
-                                           views.get("mask"), window, kv_lens, alibi_slopes,
-                                           softcap, dropout_p, seed)
+    named = {"q": q, "k": k, "v": v}
+    named.update({n: x for n, x in (("k_scale", k_scale), ("v_scale", v_scale))
+                  if x is not None})
+    views, kind = _inputs(_with_mask(named, mask), device)
+    dv, scale, band, mods, drop, kv_scales = _options(
+        views["q"], views["k"], views["v"], causal, scale, views.get("mask"), window, kv_lens,
+        alibi_slopes, softcap, dropout_p, seed,
+        cache=(views.get("k_scale"), views.get("v_scale")))
     views = _upload(views)
+    if kv_scales is not None:  # the uploaded ones, (B, Hkv, Nk)
+        kv_scales = tuple(arrays.as_nd(views[n], 3) for n in ("k_scale", "v_scale"))
     qd = views["q"]
     out_shape = tuple(q.shape[:-1]) + (dv,)
     like = q if kind != "numpy" else qd.owner  # results from the caller's allocator
@@ -143,7 +157,7 @@ def attention(q, k, v, *, causal, scale, mask, window, kv_lens, alibi_slopes, so
     lse_result, lse_dev = arrays.empty(tuple(q.shape[:-1]), np.float32, like)
     run_forward(*(arrays.as_4d(views[n]) for n in "qkv"), scale, band, mods,
                 arrays.as_4d(out_dev), arrays.as_nd(lse_dev, 3), qd.stream,
-                mask=_mask_4d(views), drop=drop)
+                mask=_mask_4d(views), drop=drop, kv_scales=kv_scales)
     if kind == "numpy":
         result = out_dev.copy_to_host()
         lse_result = lse_dev.copy_to_host() if return_lse else None
@@ -168,9 +182,9 @@ def attention_backward(dout, q, k, v, out, lse, *, causal, scale, mask, window, 
     from .backward import run_backward
     views, kind = _inputs(_with_mask({"q": q, "k": k, "v": v, "dout": dout, "out": out,
                                       "lse": lse}, mask), device)
-    dv, scale, band, mods, drop = _options(views["q"], views["k"], views["v"], causal, scale,
-                                           views.get("mask"), window, kv_lens, alibi_slopes,
-                                           softcap, dropout_p, seed)
+    dv, scale, band, mods, drop, _ = _options(views["q"], views["k"], views["v"], causal,
+                                              scale, views.get("mask"), window, kv_lens,
+                                              alibi_slopes, softcap, dropout_p, seed)
     qd = views["q"]
     out_shape = tuple(q.shape[:-1]) + (dv,)
     for name in ("dout", "out"):

@@ -42,8 +42,8 @@ from .tiles import (
     LN2,
     LOG2_E,
     NEG_INF,
-    FORWARD_ARGS,
     ONE,
+    SIMT_FORWARD_ARGS,
     ZERO,
     aligned,
     band_lines,
@@ -58,6 +58,7 @@ from .tiles import (
     option_args,
     pad8,
     q_block_lines,
+    scale_args,
     score_lines,
     shared_size,
     shfl_sync,
@@ -73,7 +74,7 @@ cuda = load()
 
 TEMPLATE = """
 def forward(q, k, v, scale2, left, right, kv_lens, softcap2, slopes2, mask, seed_mix,
-            drop_below, inv_keep, out, lse):
+            drop_below, inv_keep, k_scale, v_scale, out, lse):
     n_hq, n_q, d = q.shape[1], q.shape[2], q.shape[3]
     n_hkv, dv = k.shape[1], v.shape[3]
     qs = cuda.shared.array(Q_SIZE, float32@aligned)    # Q^T: [c * BM + r]
@@ -126,10 +127,11 @@ def forward(q, k, v, scale2, left, right, kv_lens, softcap2, slopes2, mask, seed
 
 
 @functools.cache
-def make_forward(d_pad, dv_pad, mods, mask=None, dropout=False):
+def make_forward(d_pad, dv_pad, mods, mask=None, dropout=False, quantized=False):
     """The forward kernel for head dims up to ``d_pad``/``dv_pad`` (multiples of 8), ``mods``
     (softcap or ALiBi on), the caller's ``mask`` (None, "bool" or "float") and ``dropout``
-    (on or off; ``tiles.extra_args``). Returns ``(python_function, threads, rows_per_block)``;
+    (on or off; ``tiles.extra_args``), and K/V ``quantized`` (int8 times per-row scales).
+    Returns ``(python_function, threads, rows_per_block)``;
     ``kernel`` compiles it, the tests also through ``cuda.compile_ptx``."""
     TY, TM, TN = forward_shape(d_pad, dv_pad)
     NT, BM, BN = 8 * TY, TY * TM, 8 * TN
@@ -197,15 +199,16 @@ def make_forward(d_pad, dv_pad, mods, mask=None, dropout=False):
         TEMPLATE,
         init=rep("m{i} = NEG_INF", i=TM) + rep("l{i} = ZERO", i=TM)
         + rep("a{i}_{cc} = ZERO", i=TM, cc=CV) + mask_prologue(mask)
+        + (["ksh = k_scale[b, hk]", "vsh = v_scale[b, hk]"] if quantized else [])
         + (rep("mix{i} = row_mix(seed_mix, bh * n_q + q0 + ty * TM + {i})", i=TM)
            if dropout else []),
         zero_s=rep("s{i}_{c} = ZERO", i=TM, c=TN),
         zero_kx=rep("kx{u} = ZERO", u=len(tile_elements(DK, NT, BN)[0])),
         s_step=s_step, scores=scores, softmax=softmax, band=band_lines(), pv=pv, store=store,
         block=FORWARD_BLOCK, load_q=q_block_lines("qs[({c} * BM + {r}) & ANY] = {x}"),
-        fetch_k=tile_fetch("kx", "kh", "d", DK, NT, BN, "k0 + BN"),
+        fetch_k=tile_fetch("kx", "kh", "d", DK, NT, BN, "k0 + BN", "ksh" if quantized else None),
         store_k=tile_store("kx", DK, NT, BN, kt_index),
-        fetch_v=tile_fetch("vx", "vh", "dv", DV, NT, BN, "k0"),
+        fetch_v=tile_fetch("vx", "vh", "dv", DV, NT, BN, "k0", "vsh" if quantized else None),
         store_v=tile_store("vx", DV, NT, BN, "{j} * DV + {c}"),
     ).replace("@aligned", aligned())
     names = {"cuda": cuda, "math": math, "shfl_sync": shfl_sync,
@@ -233,20 +236,26 @@ def tensor_cores(q, k, v):
 
 
 @functools.cache
-def kernel(d_pad, dv_pad, mods, dtype, extras=(None, "|u1", False)):
-    """The compiled SIMT kernel; ``extras``: ``tiles.extra_args``'s kinds."""
+def kernel(d_pad, dv_pad, mods, dtype, extras=(None, "|u1", False), kv_dtype=None):
+    """The compiled SIMT kernel; ``extras``: ``tiles.extra_args``'s kinds; ``kv_dtype``: K/V's
+    dtype where it is not ``dtype`` (a cache format; int8: times the scales)."""
     mask, mask_dtype, dropout = extras
-    fn, threads, rows = make_forward(d_pad, dv_pad, mods, mask, dropout)
-    return compiled(fn, signature(dtype, FORWARD_ARGS, mask_dtype)), threads, rows
+    quantized = kv_dtype is not None and np.dtype(kv_dtype) == np.int8
+    fn, threads, rows = make_forward(d_pad, dv_pad, mods, mask, dropout, quantized)
+    sig = signature(dtype, SIMT_FORWARD_ARGS, mask_dtype, kv_dtype)
+    return compiled(fn, sig), threads, rows
 
 
-def run_forward(q, k, v, scale, band, mods, out, lse, stream=None, mask=None, drop=(0, 0)):
+def run_forward(q, k, v, scale, band, mods, out, lse, stream=None, mask=None, drop=(0, 0),
+                kv_scales=None):
     """Launch on 4-D ``GpuArray``s (any strides; float16 or float32), on the raw ``stream``.
     ``band``, ``mods``: as ``masks.band``/``masks.modifiers`` give them (numpy); ``mask``: the
     caller's mask as a 4-D ``GpuArray`` (each axis 1 or full) or None; ``drop``:
-    ``masks.dropout``'s ``(drop_below, seed)``. Writes ``out`` (B, Hq, Nq, Dv) of q's dtype
-    and ``lse`` (B, Hq, Nq) float32, natural log. The tensor-core kernels take the calls
-    they can (``tensor_cores``), this module's SIMT kernel the rest."""
+    ``masks.dropout``'s ``(drop_below, seed)``; ``kv_scales``: an int8 cache's ``(k_scale,
+    v_scale)``, 3-D ``GpuArray``s (K/V may also be float16 under a float32 q). Writes
+    ``out`` (B, Hq, Nq, Dv) of q's dtype and ``lse`` (B, Hq, Nq) float32, natural log. The
+    tensor-core kernels take the calls they can (``tensor_cores``), this module's SIMT
+    kernel the rest."""
     n_b, n_hq, n_q, d = q.shape
     if out.size == 0:
         return
@@ -255,6 +264,8 @@ def run_forward(q, k, v, scale, band, mods, out, lse, stream=None, mask=None, dr
     module = tensor_cores(q, k, v)
     if module is not None:
         return module.run_forward(q, k, v, options, has_mods, kinds, extras, out, lse, stream)
+    kv_dtype = None if k.dtype == q.dtype else np.dtype(k.dtype).str
     fn, threads, rows = kernel(pad8(d), pad8(v.shape[3]), has_mods, np.dtype(q.dtype).str,
-                               kinds)
-    fn((n_b * n_hq, -(-n_q // rows)), threads, stream, q, k, v, *options, *extras, out, lse)
+                               kinds, kv_dtype)
+    fn((n_b * n_hq, -(-n_q // rows)), threads, stream, q, k, v, *options, *extras,
+       *scale_args(kv_scales), out, lse)

@@ -272,7 +272,7 @@ def tile_elements(pad, threads, keys):
             for u in range(count)], keys * pad % threads != 0
 
 
-def tile_fetch(reg, src, width, pad, threads, keys, first):
+def tile_fetch(reg, src, width, pad, threads, keys, first, scale=None):
     """Source lines: a thread's elements (``tile_elements``) of rows ``first .. first + keys -
     1`` of the 2-D view ``src`` (columns below ``width``) into registers ``{reg}0, {reg}1,
     ...`` as float32; keys outside ``[lo, hi]`` and columns past ``width`` as 0, so a NaN
@@ -283,23 +283,30 @@ def tile_fetch(reg, src, width, pad, threads, keys, first):
     shared memory before the next one waited a round trip per element). One test per tile:
     a tile inside the band with no padded columns takes plain loads; any other is read
     branch-free, every load of a valid element (row clamped into ``[lo, hi]``, column below
-    ``width``) and ``selp`` zeroing the ones outside. Numba's own passes (liveness, SSA) take
-    time in blocks times variables times assignments, and each ``and`` or ``if`` of Python is
-    a block: with one per element, the forward kernel took 45 s to compile."""
+    ``width``) and ``selp`` zeroing the ones outside. ``scale``: a 1-D view of per-row
+    factors (an int8 cache's ``k_scale[b, h]``) that each row is multiplied by. Numba's own
+    passes (liveness, SSA) take time in blocks times variables times assignments, and each
+    ``and`` or ``if`` of Python is a block: with one per element, the forward kernel took 45 s
+    to compile."""
     elements, check = tile_elements(pad, threads, keys)
+
+    def scaled(row):
+        return f" * {scale}[{row}]" if scale else ""
+
     edge = []
     for u, (j, c) in enumerate(elements):
         key = f"{first} + {j}"
         cond = f"(lo <= {key}) & ({key} <= hi) & ({c} < {width})"
         if check:
             cond += f" & (tid + {u * threads} < {keys * pad})"
-        edge += [f"{reg}{u} = cuda.selp({cond}, float32({src}[min(max({key}, lo), hi) & ANY, "
-                 f"min({c}, {width} - 1) & ANY]), ZERO)"]
+        row = f"min(max({key}, lo), hi) & ANY"
+        edge += [f"{reg}{u} = cuda.selp({cond}, float32({src}[{row}, "
+                 f"min({c}, {width} - 1) & ANY]){scaled(row)}, ZERO)"]
     if check:
         return edge
     # tiles inside the band with no padded columns (most of them): plain loads
     inner = [f"{reg}{u} = float32({src}[({first} + {j}) & ANY, {c}])"
-             for u, (j, c) in enumerate(elements)]
+             f"{scaled(f'({first} + {j}) & ANY')}" for u, (j, c) in enumerate(elements)]
     return ([f"if (lo <= {first}) & ({first} + {keys - 1} <= hi) & ({width} == {pad}):"]
             + ["    " + line for line in inner] + ["else:"] + ["    " + line for line in edge])
 
@@ -323,9 +330,10 @@ def shared_size(*sizes):
     return total
 
 
-def signature(dtype, pattern, mask_dtype=np.uint8):
+def signature(dtype, pattern, mask_dtype=np.uint8, kv_dtype=None):
     """Numba argument types from a pattern string, one letter per argument: ``X`` a 4-D array
-    of ``dtype``, ``M`` a 4-D array of ``mask_dtype``, ``L`` a 3-D float32 array, ``S`` a 2-D
+    of ``dtype``, ``M`` a 4-D array of ``mask_dtype``, ``K`` a 4-D array of ``kv_dtype``
+    (default ``dtype``), ``L`` a 3-D float32 array, ``S`` a 2-D
     float32 array, ``I`` a 1-D int64 array, ``f`` float32, ``i`` int64. Arrays are typed
     layout ``A``: one compiled kernel takes contiguous and strided views alike (each layout
     would otherwise compile anew)."""
@@ -334,6 +342,7 @@ def signature(dtype, pattern, mask_dtype=np.uint8):
     dt = numpy_support.from_dtype(np.dtype(dtype))
     table = {"X": types.Array(dt, 4, "A"), "L": types.Array(float32, 3, "A"),
              "M": types.Array(numpy_support.from_dtype(np.dtype(mask_dtype)), 4, "A"),
+             "K": types.Array(numpy_support.from_dtype(np.dtype(kv_dtype or dtype)), 4, "A"),
              "S": types.Array(float32, 2, "A"), "I": types.Array(types.int64, 1, "A"),
              "f": float32, "i": types.int64}
     return tuple(table[c] for c in pattern)
@@ -371,9 +380,19 @@ def extra_args(mask, drop):
 
 
 _NO_MASK = np.ones((1, 1, 1, 1), dtype=np.uint8)
+_NO_SCALES = np.ones((1, 1, 1), dtype=np.float32)
 
-# Every kernel takes ``extra_args``'s four after the options.
+
+def scale_args(kv_scales):
+    """``(k_scale, v_scale)`` for the SIMT forward kernel: an int8 cache's (B, Hkv, Nk)
+    scales as given, else 1-element stand-ins that no line reads."""
+    return tuple(kv_scales) if kv_scales is not None else (uploaded(_NO_SCALES),) * 2
+
+# Every kernel takes ``extra_args``'s four after the options. The SIMT forward kernel also
+# reads K/V caches (``K``: float16 with float32 q, or int8 times ``k_scale``/``v_scale``, the
+# two ``L`` after the extras).
 FORWARD_ARGS = "XXXfiiIfSMiifXL"
+SIMT_FORWARD_ARGS = "XKKfiiIfSMiifLLXL"
 DKDV_ARGS = "XXXXLLfiiIfSMiifXX"
 DQ_ARGS = "XXXXLLfiiIfSMiiffX"
 PREP_ARGS = "XXLLL"
