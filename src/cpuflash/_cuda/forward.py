@@ -7,14 +7,17 @@ shared memory, so that scores are in base-2 units:
     m = -inf, l = 0, acc = 0                        # per row: running max, sum, output
     for each key tile the block can see:            # tiles outside the band: never loaded
         S   = Q @ K_tile^T                          # TM x TN per thread, in registers
-        S   = softcap / ALiBi / -inf outside the band (only on tiles that cross its edge)
+        S   = softcap / ALiBi, the caller's mask (bool: -inf; float: added), -inf outside
+              the band (only on tiles that cross its edge)
         m'  = max(m, rowmax(S));  P = 2^(S - m');  alpha = 2^(m - m')
-        l   = alpha * l + rowsum(P);  acc = alpha * acc + P @ V_tile
+        l   = alpha * l + rowsum(P);  P *= dropout's keep / (1 - p)  (dropout.py)
+        acc = alpha * acc + P @ V_tile
     out = acc / l;  lse = ln(2) * (m + log2(l))
 
 Never built: the (Nq, Nk) score matrix, or even a P tile in shared memory (P travels between
 threads by warp shuffles). Keys that no row of the block sees are loaded as zeros, so a NaN
-in them reaches nothing. Float32 arithmetic throughout, for float16 inputs too.
+in them reaches nothing. Float32 arithmetic throughout, for float16 inputs too, and for a K/V
+cache in float16 or int8 (times its per-token scales as each tile is loaded).
 
 What made it fast (H200, float32, D = 64: 6.4 -> 31 TFLOP/s), each seen in the PTX first:
 - shared indices ANDed with a mask (``tiles.index_mask``): Numba's negative-index fix-up

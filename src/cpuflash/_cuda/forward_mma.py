@@ -14,7 +14,8 @@ a thread holds, in the MMA's accumulator layout, two rows (``g`` and ``g + 8``, 
         S   = Q K^T                     # per m-tile 2 n-tiles x D/8 k-steps x 3 MMAs
                                         # (a pair of warps: D/16 each, halves exchanged)
         start the next K tile -> shared memory
-        softcap / ALiBi / band mask; online softmax per row (4 lanes share a row: 2 shuffles)
+        softcap / ALiBi / the caller's mask / band mask; online softmax per row (4 lanes
+        share a row: 2 shuffles); dropout on P after the row sums
         acc = alpha * acc + P V         # P straight from S's registers (see below)
     out = acc / l;  lse = ln(2) * (m + log2(l))
 
