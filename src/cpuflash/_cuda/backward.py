@@ -12,7 +12,10 @@ their P is 0):
     dQ:    one block per (query block, batch * query head), looping over its key tiles:
              S = Q K^T;  P = 2^(S - lse2);  dP = dO V^T;  dS = P * (dP - delta);  dQ += dS K
 
-Softcap goes through ``dS *= 1 - tanh^2``. ``dS`` is the gradient of the natural-unit score
+Softcap goes through ``dS *= 1 - tanh^2``. The caller's mask enters P as in the forward pass
+(bool: P = 0 there; float: added to S), and dropout, its keep factor ``z`` regenerated from the
+same hash (``dropout.py``), as ``dS = P * (dP * z - delta)`` and ``dV += (P * z)^T dO``.
+``dS`` is the gradient of the natural-unit score
 ``scale * q.k``: dQ is ``scale * dS K``, dK is ``scale * dS^T Q = ln 2 * dS^T (Q * scale *
 log2 e)``. Tiles live in registers (``tiles.py`` gives the thread layout); Q, dO, K, V tiles
 in shared memory, transposed and rotated. Never built: any (Nq, Nk) matrix.
