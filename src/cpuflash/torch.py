@@ -1,13 +1,16 @@
-"""cpuflash for CPU torch tensors: ``scaled_dot_product_attention`` with torch's signature and
-semantics, and the autograd Function behind it (forward and backward by cpuflash).
+"""cpuflash for torch tensors: ``scaled_dot_product_attention`` with torch's signature and
+semantics, and the autograd Function behind it (forward and backward by cpuflash). CPU
+tensors run the CPU kernels; CUDA tensors (since stop 21) the GPU path (``_cuda/``), with the
+same options and results.
 
     from cpuflash.torch import scaled_dot_product_attention as sdpa
     out = sdpa(q, k, v, is_causal=True)                     # as torch's, gradients included
     out = sdpa(q, k, v, attn_mask=causal_lower_right(Nq, Nk), window=(256, 0), softcap=30.0)
 
-No copies: tensors enter as ``tensor.detach().numpy()`` views (any strides, as cpuflash takes
-them) and the result leaves as ``torch.from_numpy(out)``. ``import cpuflash`` never imports
-this module or torch.
+No copies: CPU tensors enter as ``tensor.detach().numpy()`` views (any strides, as cpuflash
+takes them) and the result leaves as ``torch.from_numpy(out)``; CUDA tensors are read in place
+and the results are torch tensors on their device, on torch's current stream. ``import
+cpuflash`` never imports this module or torch.
 
 Where torch defines a behaviour this follows it:
 
@@ -31,8 +34,9 @@ Beyond torch (keyword-only, cpuflash's semantics, see ``cpuflash.attention``): `
 ``alibi_slopes`` (a tensor or array (Hq,) or (B, Hq)), ``softcap``, ``seed``.
 
 Differences: a row that sees no key gives 0 (torch's math path gives NaN); dtypes float32,
-float64 and float16 (computed in float32); bfloat16 has no numpy dtype and raises TypeError
-(convert with ``.float()``); tensors on another device raise ValueError.
+float64 and float16 (computed in float32; float64 on the CPU only); bfloat16 has no numpy
+dtype and raises TypeError (convert with ``.float()``); tensors on another kind of device
+(neither CPU nor CUDA) raise ValueError, and a mask must be on the device of the query.
 
 Threads: torch and Numba each load their own OpenMP runtime, and by default each one's idle
 threads spin after a parallel region, stealing the cores of whatever runs next. In a process
@@ -42,7 +46,6 @@ Measured on 2 busy cores, cpuflash's forward at N=512 interleaved with torch's S
 slower without it; with it, as fast as torch or up to 1.3x faster.
 """
 
-import numpy as np
 import torch
 from torch.autograd.function import once_differentiable
 
@@ -54,18 +57,24 @@ _DTYPES = (torch.float16, torch.float32, torch.float64)
 
 
 def _numpy_view(name, t):
-    """A numpy view of a CPU float tensor's memory (no copy for any strides)."""
+    """What cpuflash reads of a float tensor, with no copy for any strides: a numpy view of a
+    CPU tensor's memory, or the CUDA tensor itself (detached)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != "cpu":
-        raise ValueError(f"{name}: expected a CPU tensor, got device {t.device} (cpuflash runs "
-                         f"on the CPU; use torch's own SDPA there)")
+    if t.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{name}: expected a CPU or CUDA tensor, got device {t.device}")
     if t.dtype == torch.bfloat16:
         raise TypeError(f"{name}: bfloat16 has no numpy dtype; convert explicitly, e.g. "
                         f"{name}.float() (cpuflash computes float16/float32 in float32)")
     if t.dtype not in _DTYPES:
         raise TypeError(f"{name}: expected float16, float32 or float64, got {t.dtype}")
-    return t.detach().numpy()
+    return t.detach() if t.is_cuda else t.detach().numpy()
+
+
+def _tensor(x):
+    """A cpuflash result as a tensor: numpy arrays as ``torch.from_numpy`` views, the GPU
+    path's torch tensors as they are."""
+    return x if isinstance(x, torch.Tensor) else torch.from_numpy(x)
 
 
 def _mask_view(attn_mask):
@@ -74,9 +83,10 @@ def _mask_view(attn_mask):
     if attn_mask.requires_grad and torch.is_grad_enabled():
         raise ValueError("attn_mask: gradients with respect to a float mask are not supported; "
                          "pass attn_mask.detach()")
-    if attn_mask.device.type != "cpu":
-        raise ValueError(f"attn_mask: expected a CPU tensor, got device {attn_mask.device}")
-    return attn_mask.detach().numpy()
+    if attn_mask.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"attn_mask: expected a CPU or CUDA tensor, got device "
+                         f"{attn_mask.device}")
+    return attn_mask.detach() if attn_mask.is_cuda else attn_mask.detach().numpy()
 
 
 def _causal_bias(attn_mask):
@@ -148,28 +158,29 @@ class FlashAttentionFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, plan):
         qn, kn, vn = _numpy_view("query", q), _numpy_view("key", k), _numpy_view("value", v)
         out, lse = api.attention(qn, plan.keys(kn), plan.keys(vn), return_lse=True, **plan.opts)
-        out_t, lse_t = torch.from_numpy(out), torch.from_numpy(lse)
+        out_t, lse_t = _tensor(out), _tensor(lse)
         ctx.save_for_backward(q, k, v, out_t, lse_t)
         ctx.plan = plan
         return out_t
 
     @staticmethod
-    @once_differentiable  # the backward pass is numpy: no double backward
+    @once_differentiable  # the backward pass is cpuflash's: no double backward
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         plan = ctx.plan
         kn, vn = _numpy_view("key", k), _numpy_view("value", v)
         dout_n = _numpy_view("dout", dout.to(out.dtype))  # any strides (an expand of sum())
         dq, dk, dv = api.attention_backward(
-            dout_n, _numpy_view("query", q), plan.keys(kn), plan.keys(vn), out.numpy(),
-            lse.numpy(), **plan.opts)
+            dout_n, _numpy_view("query", q), plan.keys(kn), plan.keys(vn),
+            _numpy_view("out", out), _numpy_view("lse", lse), **plan.opts)
+        dq, dk, dv = _tensor(dq), _tensor(dk), _tensor(dv)
         if plan.key_stop != k.shape[-2]:  # keys no query saw: gradient 0
-            dk, dv = (_pad_keys(g, x.shape) for g, x in ((dk, kn), (dv, vn)))
-        return torch.from_numpy(dq), torch.from_numpy(dk), torch.from_numpy(dv), None
+            dk, dv = (_pad_keys(g, x.shape) for g, x in ((dk, k), (dv, v)))
+        return dq, dk, dv, None
 
 
 def _pad_keys(g, shape):
-    full = np.zeros(shape, dtype=g.dtype)
+    full = g.new_zeros(shape)
     full[..., :g.shape[-2], :] = g
     return full
 
@@ -177,12 +188,12 @@ def _pad_keys(g, shape):
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
                                  is_causal=False, scale=None, enable_gqa=False, *, window=None,
                                  alibi_slopes=None, softcap=None, seed=None):
-    """``torch.nn.functional.scaled_dot_product_attention`` computed by cpuflash, for CPU
-    tensors; differentiable in ``query``, ``key`` and ``value``. See the module docstring for
+    """``torch.nn.functional.scaled_dot_product_attention`` computed by cpuflash, for CPU or
+    CUDA tensors; differentiable in ``query``, ``key`` and ``value``. See the module docstring for
     the semantics, the causal alignment and the extra keyword options."""
     qn, kn, vn = _numpy_view("query", query), _numpy_view("key", key), _numpy_view("value", value)
     plan = _Plan(qn, kn, attn_mask, is_causal, scale, enable_gqa, dropout_p, window,
                  alibi_slopes, softcap, seed)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
         return FlashAttentionFunction.apply(query, key, value, plan)
-    return torch.from_numpy(api.attention(qn, plan.keys(kn), plan.keys(vn), **plan.opts))
+    return _tensor(api.attention(qn, plan.keys(kn), plan.keys(vn), **plan.opts))

@@ -322,6 +322,31 @@ def test_dtype_errors():
         cpuflash.attention(Masked(), Masked(), Masked())
 
 
+@pytest.mark.skipif(SIMULATED, reason="torch CUDA tensors need a GPU")
+@pytest.mark.parametrize("opt", [{"is_causal": True}, {"mask": True, "dropout_p": 0.2, "seed": 5},
+                                 {"softcap": 5.0, "window": (8, 0), "dropout_p": 0.1}], ids=str)
+def test_torch_dropin_on_cuda_tensors(opt):
+    """``cpuflash.torch``'s SDPA on CUDA tensors: output and gradients as the same call on CPU
+    tensors (dropout included: both paths drop by the same hash), top-left causal with
+    Nq < Nk (keys cut, their gradients padded with zeros on the GPU)."""
+    torch = pytest.importorskip("torch")
+    from cpuflash.torch import scaled_dot_product_attention as sdpa
+    shape = (2, 4, 2, 37, 53, 64, 64)
+    q, k, v = qkv(shape)
+    (dout,) = rands(q.shape, seed=7)
+    opts = dict(opt, enable_gqa=True)
+    mask = torch.from_numpy(_mask("bool", shape)) if opts.pop("mask", False) else None
+    results = {}
+    for device in ("cpu", "cuda"):
+        ts = [torch.from_numpy(x).to(device).requires_grad_() for x in (q, k, v)]
+        out = sdpa(*ts, attn_mask=None if mask is None else mask.to(device), **opts)
+        assert out.device.type == device
+        out.backward(torch.from_numpy(dout).to(device))
+        results[device] = [out.detach().cpu().numpy()] + [t.grad.cpu().numpy() for t in ts]
+    for name, cpu, gpu in zip(("out", "dq", "dk", "dv"), results["cpu"], results["cuda"]):
+        np.testing.assert_allclose(gpu, cpu, atol=5 * tol(np.float32, cpu), rtol=0, err_msg=name)
+
+
 @pytest.mark.skipif(SIMULATED, reason="torch/CuPy interop needs a real GPU")
 def test_torch_and_cupy_in_and_out():
     torch = pytest.importorskip("torch")
