@@ -346,6 +346,12 @@ def test_torch_dropin_on_cuda_tensors(opt):
         results[device] = [out.detach().cpu().numpy()] + [t.grad.cpu().numpy() for t in ts]
     for name, cpu, gpu in zip(("out", "dq", "dk", "dv"), results["cpu"], results["cuda"]):
         np.testing.assert_allclose(gpu, cpu, atol=5 * tol(np.float32, cpu), rtol=0, err_msg=name)
+    cuda_qkv = [torch.from_numpy(x).cuda() for x in (q, k, v)]
+    if mask is not None:  # a mask on the CPU beside CUDA tensors: refused, naming it
+        with pytest.raises(TypeError, match="mask: expected a GPU array"):
+            sdpa(*cuda_qkv, attn_mask=mask, **opts)
+    with pytest.raises(TypeError, match="bfloat16"):
+        sdpa(*(x.bfloat16() for x in cuda_qkv), **opts)
 
 
 @pytest.mark.skipif(SIMULATED, reason="torch/CuPy interop needs a real GPU")

@@ -28,7 +28,6 @@ from numba import float32, int64
 
 from .arrays import view
 from .codegen import build, expand, rep
-from .dropout import SOURCE_STAMP, keep_scale, row_mix
 from .launch import compiled
 from .runtime import load
 from .tiles import (
@@ -38,12 +37,14 @@ from .tiles import (
     LN2,
     LOG2_E,
     NEG_INF,
+    NO_EXTRAS,
     ONE,
     POS_INF,
     PREP_ARGS,
     ZERO,
     backward_shape,
     extra_args,
+    extra_names,
     first_key,
     grad_lines,
     index_mask,
@@ -325,14 +326,12 @@ def make_dq(d_pad, dv_pad, mods, mask=None, dropout=False):
 
 def _names(**consts):
     return {"cuda": cuda, "math": math, "shfl_sync": shfl_sync, "float32": float32,
-            "int64": int64, "FULL_MASK": FULL_MASK, "LN2": LN2, "LOG2_E": LOG2_E,
-            "NEG_INF": NEG_INF, "POS_INF": POS_INF, "ONE": ONE, "ZERO": ZERO,
-            "ANY": index_mask(1), "row_mix": row_mix, "keep_scale": keep_scale,
-            "DROPOUT_STAMP": SOURCE_STAMP, **consts}
+            "int64": int64, "FULL_MASK": FULL_MASK, "LN2": LN2, "POS_INF": POS_INF,
+            "ONE": ONE, "ZERO": ZERO, "ANY": index_mask(1), **extra_names(), **consts}
 
 
 @functools.cache
-def kernels(d_pad, dv_pad, mods, dtype, extras=(None, "|u1", False)):
+def kernels(d_pad, dv_pad, mods, dtype, extras=NO_EXTRAS):
     """The compiled prep, dK/dV and dQ kernels; ``extras``: ``tiles.extra_args``'s kinds."""
     mask, mask_dtype, dropout = extras
     return (compiled(prep, signature(dtype, PREP_ARGS)),) + tuple(

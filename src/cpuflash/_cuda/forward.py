@@ -36,15 +36,14 @@ import numpy as np
 from numba import float32, int64
 
 from .codegen import build, expand, join, rep
-from .dropout import SOURCE_STAMP, keep_scale, row_mix
 from .launch import compiled
 from .runtime import device_capability, load, simulated
 from .tiles import (
     FORWARD_BLOCK,
     FULL_MASK,
     LN2,
-    LOG2_E,
     NEG_INF,
+    NO_EXTRAS,
     ONE,
     SIMT_FORWARD_ARGS,
     ZERO,
@@ -53,6 +52,7 @@ from .tiles import (
     column,
     column_offset,
     dropout_lines,
+    extra_names,
     extra_args,
     forward_shape,
     group_width,
@@ -216,9 +216,8 @@ def make_forward(d_pad, dv_pad, mods, mask=None, dropout=False, quantized=False)
     ).replace("@aligned", aligned())
     names = {"cuda": cuda, "math": math, "shfl_sync": shfl_sync,
              "shfl_xor_sync": shfl_xor_sync, "float32": float32, "int64": int64,
-             "FULL_MASK": FULL_MASK, "LN2": LN2, "LOG2_E": LOG2_E, "NEG_INF": NEG_INF,
-             "ONE": ONE, "ZERO": ZERO, "row_mix": row_mix, "keep_scale": keep_scale,
-             "DROPOUT_STAMP": SOURCE_STAMP,
+             "FULL_MASK": FULL_MASK, "LN2": LN2, "NEG_INF": NEG_INF, "ONE": ONE,
+             "ZERO": ZERO, **extra_names(),
              "TM": TM, "BM": BM, "BN": BN, "NT": NT, "DK": DK, "DV": DV, "Q_SIZE": Q_SIZE,
              "KV_SIZE": KV_SIZE, "MODS": mods, "WK": WK, "WV": WV, "ANY": index_mask(1)}
     return build(source, "forward", names), NT, BM
@@ -239,7 +238,7 @@ def tensor_cores(q, k, v):
 
 
 @functools.cache
-def kernel(d_pad, dv_pad, mods, dtype, extras=(None, "|u1", False), kv_dtype=None):
+def kernel(d_pad, dv_pad, mods, dtype, extras=NO_EXTRAS, kv_dtype=None):
     """The compiled SIMT kernel; ``extras``: ``tiles.extra_args``'s kinds; ``kv_dtype``: K/V's
     dtype where it is not ``dtype`` (a cache format; int8: times the scales)."""
     mask, mask_dtype, dropout = extras

@@ -40,7 +40,6 @@ import numpy as np
 from numba import float32, int32, int64
 
 from .codegen import build
-from .dropout import SOURCE_STAMP, keep_scale, row_mix
 from .forward_mma import copy_tile, kernel_source, mtile_rows, mtile_softmax
 from .forward_mma import mtile_state, mtile_tags, pad16, takes
 from .launch import compiled
@@ -51,10 +50,11 @@ from .tiles import (
     FORWARD_ARGS,
     FULL_MASK,
     LN2,
-    LOG2_E,
     NEG_INF,
+    NO_EXTRAS,
     ONE,
     ZERO,
+    extra_names,
     index_mask,
     mask_prologue,
     shared_size,
@@ -120,7 +120,8 @@ def _store_q(bm, dk, threads):
 @functools.cache
 def make_forward(d_pad, dv_pad, mods, mask=None, dropout=False):
     """The float16 tensor-core forward kernel for head dims up to ``d_pad``/``dv_pad``
-    (multiples of 16, at most ``MAX_HEAD_DIM``) and ``mods`` (softcap or ALiBi on)."""
+    (multiples of 16, at most ``MAX_HEAD_DIM``), ``mods`` (softcap or ALiBi on), the caller's
+    ``mask`` and ``dropout`` (as ``forward.make_forward``)."""
     DK, DV = d_pad, dv_pad
     assert DK % 16 == 0 and DV % 16 == 0 and max(DK, DV) <= MAX_HEAD_DIM, (DK, DV)
     warps, MT, BN, Q_SHARED = SHAPES[max(DK, DV)]
@@ -207,9 +208,8 @@ def make_forward(d_pad, dv_pad, mods, mask=None, dropout=False):
              "ldmatrix_x4": ldmatrix_x4, "ldmatrix_x4_trans": ldmatrix_x4_trans,
              "copy_async16": copy_async16,
              "copy_commit": copy_commit, "copy_wait": copy_wait, "copy_wait_all": copy_wait_all,
-             "FULL_MASK": FULL_MASK, "LN2": LN2, "LOG2_E": LOG2_E, "NEG_INF": NEG_INF,
-             "ONE": ONE, "ZERO": ZERO, "row_mix": row_mix, "keep_scale": keep_scale,
-             "DROPOUT_STAMP": SOURCE_STAMP,
+             "FULL_MASK": FULL_MASK, "LN2": LN2, "NEG_INF": NEG_INF, "ONE": ONE,
+             "ZERO": ZERO, **extra_names(),
              "BM": BM, "BN": BN, "NT": NT, "LDK": LDK, "LDV": LDV, "V_AT": V_AT, "SIZE": SIZE,
              "Q_AT": Q_AT, "LDQ": LDQ,
              "MODS": mods, "ANY": index_mask(1), "ALIGN4": index_mask(4)}
@@ -217,7 +217,7 @@ def make_forward(d_pad, dv_pad, mods, mask=None, dropout=False):
 
 
 @functools.cache
-def kernel(d_pad, dv_pad, mods, extras=(None, "|u1", False)):
+def kernel(d_pad, dv_pad, mods, extras=NO_EXTRAS):
     """The compiled kernel; ``extras``: ``tiles.extra_args``'s kinds."""
     mask, mask_dtype, dropout = extras
     fn, threads, rows = make_forward(d_pad, dv_pad, mods, mask, dropout)

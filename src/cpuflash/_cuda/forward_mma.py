@@ -41,7 +41,6 @@ import numpy as np
 from numba import float32, int64
 
 from .codegen import build, expand, join, rep
-from .dropout import SOURCE_STAMP, keep_scale, row_mix
 from .launch import compiled
 from .mma import copy_async16, copy_commit, copy_wait, copy_wait_all, mma_tf32, tf32
 from .runtime import load
@@ -50,12 +49,13 @@ from .tiles import (
     FORWARD_BLOCK,
     FULL_MASK,
     LN2,
-    LOG2_E,
     NEG_INF,
+    NO_EXTRAS,
     ONE,
     ZERO,
     band_lines,
     dropout_lines,
+    extra_names,
     index_mask,
     mask_prologue,
     q_block_lines,
@@ -309,8 +309,9 @@ def mtile_state(tags, nvd, dim0="", writes_lse="t == 0"):
 @functools.cache
 def make_forward(d_pad, dv_pad, mods, mask=None, dropout=False):
     """The tensor-core forward kernel for float32 head dims up to ``d_pad``/``dv_pad``
-    (multiples of 16, at most ``MAX_HEAD_DIM``) and ``mods`` (softcap or ALiBi on): the
-    kernel, its threads, its query rows and its bytes of dynamic shared memory."""
+    (multiples of 16, at most ``MAX_HEAD_DIM``), ``mods`` (softcap or ALiBi on), the caller's
+    ``mask`` and ``dropout`` (as ``forward.make_forward``): the kernel, its threads, its query
+    rows and its bytes of dynamic shared memory."""
     DK, DV = d_pad, dv_pad
     assert DK % 16 == 0 and DV % 16 == 0 and max(DK, DV) <= MAX_HEAD_DIM, (DK, DV)
     warps, MT, BN, SPLIT = SHAPES[max(DK, DV)]
@@ -421,9 +422,8 @@ def make_forward(d_pad, dv_pad, mods, mask=None, dropout=False):
     names = {"cuda": cuda, "math": math, "shfl_xor_sync": shfl_xor_sync, "float32": float32,
              "int64": int64, "tf32": tf32, "mma_tf32": mma_tf32, "copy_async16": copy_async16,
              "copy_commit": copy_commit, "copy_wait": copy_wait, "copy_wait_all": copy_wait_all,
-             "FULL_MASK": FULL_MASK, "LN2": LN2, "LOG2_E": LOG2_E, "NEG_INF": NEG_INF,
-             "ONE": ONE, "ZERO": ZERO, "row_mix": row_mix, "keep_scale": keep_scale,
-             "DROPOUT_STAMP": SOURCE_STAMP,
+             "FULL_MASK": FULL_MASK, "LN2": LN2, "NEG_INF": NEG_INF, "ONE": ONE,
+             "ZERO": ZERO, **extra_names(),
              "BM": BM, "BN": BN, "NT": NT, "DK": DK, "LDQ": LDQ, "LDK": LDK, "LDV": LDV,
              "K_AT": K_AT, "V_AT": V_AT, "X_AT": X_AT, "SIZE": SIZE,
              "MODS": mods, "ANY": index_mask(1), "ALIGN2": index_mask(2),
@@ -432,7 +432,7 @@ def make_forward(d_pad, dv_pad, mods, mask=None, dropout=False):
 
 
 @functools.cache
-def kernel(d_pad, dv_pad, mods, extras=(None, "|u1", False)):
+def kernel(d_pad, dv_pad, mods, extras=NO_EXTRAS):
     """The compiled kernel; ``extras``: ``tiles.extra_args``'s kinds."""
     mask, mask_dtype, dropout = extras
     fn, threads, rows, dynamic_bytes = make_forward(d_pad, dv_pad, mods, mask, dropout)

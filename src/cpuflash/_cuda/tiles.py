@@ -379,6 +379,19 @@ def extra_args(mask, drop):
     return kinds, (mask, seed_mix(seed), drop_below, inv_keep)
 
 
+# ``extra_args``'s kinds for a call with neither mask nor dropout.
+NO_EXTRAS = (None, np.dtype(np.uint8).str, False)
+
+
+def extra_names():
+    """The globals that the lines of the mask and dropout (``score_lines``, ``dropout_lines``,
+    ``grad_lines``) read in a generated kernel; ``DROPOUT_STAMP`` puts the hash's source among
+    the kernel's constants (``dropout.SOURCE_STAMP``)."""
+    from .dropout import SOURCE_STAMP, keep_scale, row_mix
+    return {"LOG2_E": LOG2_E, "NEG_INF": NEG_INF, "row_mix": row_mix,
+            "keep_scale": keep_scale, "DROPOUT_STAMP": SOURCE_STAMP}
+
+
 _NO_MASK = np.ones((1, 1, 1, 1), dtype=np.uint8)
 _NO_SCALES = np.ones((1, 1, 1), dtype=np.float32)
 
