@@ -19,20 +19,21 @@ a thread holds, in the MMA's accumulator layout, two rows (``g`` and ``g + 8``, 
         acc = alpha * acc + P V         # P straight from S's registers (see below)
     out = acc / l;  lse = ln(2) * (m + log2(l))
 
-Operands are split into TF32 parts in registers, as each fragment is loaded from shared
-memory. The k index of an MMA is a summation index, so any order of it serves if A and B
-agree: the kernel maps the MMA's ``k = t`` to element ``2t`` and ``k = t + 4`` to ``2t + 1`` of
-each group of 8 (dims in ``Q K^T``, keys in ``P V``). Then a thread's two neighbouring S values
-(``c0, c1`` of the accumulator) are exactly its A operands ``a0, a2`` of ``P V``, so P needs
-no shuffle and no shared memory, and the B operands of ``Q K^T`` (and the A operands) are
-neighbouring floats: one 8-byte load. Shared rows are padded (``make_forward``) so that the
-loads of a warp hit every bank once.
+Q is split into its TF32 parts once, as it is stored to shared memory (both parts kept); K, V
+and P are split in registers, as each fragment is loaded. The k index of an MMA is a summation
+index, so any order of it serves if A and B agree: the kernel maps the MMA's ``k = t`` to
+element ``2t`` and ``k = t + 4`` to ``2t + 1`` of each group of 8 (dims in ``Q K^T``, keys in
+``P V``). Then a thread's two neighbouring S values (``c0, c1`` of the accumulator) are exactly
+its A operands ``a0, a2`` of ``P V``, so P needs no shuffle and no shared memory, and the B
+operands of ``Q K^T`` (and the A operands) are neighbouring floats: one 8-byte load. Shared
+rows are padded (``make_forward``) so that the loads of a warp hit every bank once.
 
-Keys no row of the block sees are zero-filled (``copy_async16``), as ``forward.py`` loads
-them as zeros. At head dims past 64 the tiles pass the static 48 KiB of shared memory and are
-sized at launch (59 KiB at 128; every GPU of compute capability 8.0 or newer takes 99 KiB or
-more). Used for float32 with head dims up to 128 on such a GPU (``usable``); everything else,
-and the simulator, runs ``forward.py``.
+Keys no row of the block sees are zero-filled (``copy_async16``), as ``forward.py`` loads them
+as zeros. At head dims past 32 the tiles (with Q's two parts) pass the static 48 KiB of shared
+memory and are sized at launch (81 KiB at 64, 93 KiB at 128; every GPU of compute capability
+8.0 or newer takes 99 KiB or more a block; two blocks a multiprocessor, as their registers
+allow, need the H100/H200's 228 KiB). Used for float32 with head dims up to 128 on such a GPU
+(``usable``); everything else, and the simulator, runs ``forward.py``.
 """
 import functools
 import math
@@ -84,6 +85,12 @@ MAX_HEAD_DIM = 128  # the output of 16 rows x 128 dims is 64 registers a thread
 # more blocks a multiprocessor (launch bounds: 168 or 128 registers) spilled and lost 5-25 %
 # at both widths; so did keeping Q, K and V in shared memory already split (fewer
 # conversions, twice the loads: 0.63-0.72x at D=64).
+# P V's n-tiles (8 dims each) taken together: their MMA chains interleaved, so that more of
+# them are in flight (the same the same sums). Measured on the H200 with ten calls between the
+# events, N = 4096 / 16384, not causal (log bench/results/h200_q_presplit_stop22.txt): 1, 2, 4
+# n-tiles at D=128 14.38 / 14.35 / 14.11 ms and 223 / 222 / 220 ms, at D=64 6.51 / 6.48 /
+# 6.43 ms and 97.5 / 97.7 / 96.9 ms. No spills with 4 (ptxas, sm_90).
+PV_GROUP = 4
 SHAPES = {16: (4, 2, 16, 1), 32: (4, 2, 16, 1), 48: (4, 2, 16, 1), 64: (4, 2, 16, 1),
           80: (4, 2, 16, 2), 96: (4, 2, 16, 2), 112: (4, 2, 16, 2), 128: (4, 2, 16, 2)}
 
@@ -323,24 +330,30 @@ def make_forward(d_pad, dv_pad, mods, mask=None, dropout=False):
     # (rows g, dims 2t) need LDK = 8 (mod 32) words; a warp's V loads (rows 2t, dims g),
     # LDV = 4 (mod 16)
     LDQ, LDK, LDV = DK + 8, DK + 8, DV + 4
-    K_AT, V_AT = BM * LDQ, BM * LDQ + BN * LDK  # multiples of 4: 16-byte aligned
+    # Q's TF32 parts, split once for all key tiles: big at 0, small at QL_AT. (Split in every
+    # tile as K and V are, stop 21: 2-3 % slower at D = 64 and 128, log
+    # bench/results/h200_q_presplit_stop22.txt.)
+    QL_AT = BM * LDQ
+    K_AT, V_AT = 2 * QL_AT, 2 * QL_AT + BN * LDK  # multiples of 4: 16-byte aligned
     X_AT = V_AT + BN * LDV  # with SPLIT = 2: the warps' partial scores, [score][thread]
     NX = MT * NJ * 4 if SPLIT > 1 else 0  # a thread's scores
     SIZE = X_AT + NX * NT
     dynamic = SIZE > SHARED_FLOATS  # past the static 48 KiB: sized at launch
-    # S = Q K^T, per k-step ks (dims 8ks..8ks+7): A = Q[g, 8ks + 2t], Q[g + 8, 8ks + 2t],
-    # Q[g, 8ks + 2t + 1], Q[g + 8, 8ks + 2t + 1] (the MMA's k = t is dim 2t, k = t + 4 is dim
-    # 2t + 1), two 8-byte loads; per n-tile j (keys 8j..8j+7) B = K[8j + g, 8ks + 2t] and
-    # K[8j + g, 8ks + 2t + 1], one. Each split into TF32 parts in registers, a K fragment once
-    # for all the warp's m-tiles. Each accumulator takes its three MMAs in the order small
-    # terms first; between them the MMAs of the other n-tiles and m-tiles, which do not wait.
+    # S = Q K^T, per k-step ks (dims 8ks..8ks+7): A = Q[g, 8ks + 2t], Q[g + 8, 8ks + 2t], Q[g,
+    # 8ks + 2t + 1], Q[g + 8, 8ks + 2t + 1] (the MMA's k = t is dim 2t, k = t + 4 is dim 2t +
+    # 1), four 8-byte loads of its TF32 parts (split once, above); per n-tile j (keys 8j..8j+7)
+    # B = K[8j + g, 8ks + 2t] and K[8j + g, 8ks + 2t + 1], one, split into TF32 parts in
+    # registers once for all the warp's m-tiles. Each accumulator takes its three MMAs in the
+    # order small terms first; between them the MMAs of the other n-tiles and m-tiles, which do
+    # not wait.
     s_mma = []
     for ks in range(NKS):
         for i, tag in enumerate(tags):
             at = f"q_frag + {16 * i * LDQ + 8 * ks}"
-            s_mma += [f"x0 = sm[{at}]", f"x2 = sm[{at} + 1]",
-                      f"x1 = sm[{at} + {8 * LDQ}]", f"x3 = sm[{at} + {8 * LDQ + 1}]"]
-            s_mma += join(*(_split(f"x{c}", f"qb{tag}_{c}", f"ql{tag}_{c}") for c in range(4)))
+            for part, base in (("qb", at), ("ql", f"{at} + QL_AT")):
+                s_mma += [f"{part}{tag}_0 = sm[{base}]", f"{part}{tag}_2 = sm[{base} + 1]",
+                          f"{part}{tag}_1 = sm[{base} + {8 * LDQ}]",
+                          f"{part}{tag}_3 = sm[{base} + {8 * LDQ + 1}]"]
         for j in range(NJ):
             at = f"k_frag + {8 * j * LDK + 8 * ks}"
             s_mma += [f"y0 = sm[{at}]", f"y1 = sm[{at} + 1]"]
@@ -386,19 +399,22 @@ def make_forward(d_pad, dv_pad, mods, mask=None, dropout=False):
         for kk in range(NJ):
             for i, c in enumerate((0, 2, 1, 3)):
                 pv += _split(f"s{tag}{kk}_{c}", f"pb{tag}{kk}_{i}", f"pl{tag}{kk}_{i}")
-    for nd in range(NVD):
-        pv += [f"t{tag}_{c} = ZERO" for tag in tags for c in range(4)]
+    for nd0 in range(0, NVD, PV_GROUP):
+        nds = range(nd0, min(nd0 + PV_GROUP, NVD))
+        pv += [f"t{tag}{x}_{c} = ZERO" for tag in tags for x in range(len(nds)) for c in range(4)]
         for kk in range(NJ):
-            at = f"v_frag + {8 * kk * LDV + 8 * nd}"
-            pv += [f"y0 = sm[{at}]", f"y1 = sm[{at} + LDV]"]
-            pv += _split("y0", "vb0", "vl0") + _split("y1", "vb1", "vl1")
+            for x, nd in enumerate(nds):
+                at = f"v_frag + {8 * kk * LDV + 8 * nd}"
+                pv += [f"y0 = sm[{at}]", f"y1 = sm[{at} + LDV]"]
+                pv += _split("y0", f"vb{x}0", f"vl{x}0") + _split("y1", f"vb{x}1", f"vl{x}1")
             for a, bb in (("pl", "b"), ("pb", "l"), ("pb", "b")):
                 for tag in tags:
                     pa = ", ".join(f"{a}{tag}{kk}_{i}" for i in range(4))
-                    acc = ", ".join(f"t{tag}_{c}" for c in range(4))
-                    pv += [f"{acc} = mma_tf32({pa}, v{bb}0, v{bb}1, {acc})"]
+                    for x in range(len(nds)):
+                        acc = ", ".join(f"t{tag}{x}_{c}" for c in range(4))
+                        pv += [f"{acc} = mma_tf32({pa}, v{bb}{x}0, v{bb}{x}1, {acc})"]
         pv += [f"o{tag}{nd}_{c} = o{tag}{nd}_{c} * alpha{tag}_{'lo' if c < 2 else 'hi'} "
-               f"+ t{tag}_{c}" for tag in tags for c in range(4)]
+               f"+ t{tag}{x}_{c}" for tag in tags for x, nd in enumerate(nds) for c in range(4)]
     if SPLIT > 1:  # each warp of a pair stores its half of the dims; the first, lse
         init, store = mtile_state(tags, NVD, f" + {DVW} * half", "t == 0 and half == 0")
     else:
@@ -406,12 +422,14 @@ def make_forward(d_pad, dv_pad, mods, mask=None, dropout=False):
     init += mask_prologue(mask)
     source = kernel_source(
         "forward_mma",
-        shared=["# Q block [row][dim] (row LDQ) at 0, K tile [key][dim] (row LDK) at K_AT, V tile "
-                "(row LDV)", "# at V_AT", "sm = cuda.shared.array(%s, float32, alignment=16)"
+        shared=["# Q block [row][dim] (row LDQ): TF32 big parts at 0, small at QL_AT; K tile",
+                "# [key][dim] (row LDK) at K_AT, V tile (row LDV) at V_AT",
+                "sm = cuda.shared.array(%s, float32, alignment=16)"
                 % ("0" if dynamic else "SIZE")],
         rows=mtile_rows(tags, SPLIT),
         fragments=fragments,
-        load_q=q_block_lines("sm[({r} * LDQ + {c}) & ANY] = {x}"),
+        load_q=q_block_lines("xb = tf32({x}); sm[({r} * LDQ + {c}) & ANY] = xb; "
+                             "sm[(QL_AT + {r} * LDQ + {c}) & ANY] = tf32({x} - xb)"),
         init=init,
         copy_first_k=copy_tile("K_AT", "kh", "d", DK, "LDK", "kb_lo * BN", 4, BN, NT, True),
         copy_next_k=copy_tile("K_AT", "kh", "d", DK, "LDK", "k0 + BN", 4, BN, NT, True),
@@ -425,7 +443,7 @@ def make_forward(d_pad, dv_pad, mods, mask=None, dropout=False):
              "FULL_MASK": FULL_MASK, "LN2": LN2, "NEG_INF": NEG_INF, "ONE": ONE,
              "ZERO": ZERO, **extra_names(),
              "BM": BM, "BN": BN, "NT": NT, "DK": DK, "LDQ": LDQ, "LDK": LDK, "LDV": LDV,
-             "K_AT": K_AT, "V_AT": V_AT, "X_AT": X_AT, "SIZE": SIZE,
+             "K_AT": K_AT, "V_AT": V_AT, "QL_AT": QL_AT, "X_AT": X_AT, "SIZE": SIZE,
              "MODS": mods, "ANY": index_mask(1), "ALIGN2": index_mask(2),
              "ALIGN4": index_mask(4)}
     return build(source, "forward_mma", names), NT, BM, 4 * SIZE if dynamic else 0
