@@ -544,3 +544,26 @@ def test_torch_tensors_read_as_their_interface_says():
             assert arrays.view(x).stream == side.cuda_stream != fast.stream
     assert not arrays.is_gpu_array(torch.ones(2))
     assert not arrays.is_gpu_array(torch.eye(3, device="cuda").to_sparse())  # as the interface
+
+
+@pytest.mark.skipif(SIMULATED, reason="the tensor-core kernel runs on a real GPU only")
+@pytest.mark.parametrize("d", [64, 128])
+def test_tensor_core_kernel_nan_propagates(d):
+    """A NaN in q, k or v shows in every output it enters, never vanishes: the fast TF32
+    split (``forward_mma._split``) truncates the big part, which keeps a quiet NaN a NaN; the
+    NaN here is the one the GPU's own arithmetic makes (0/0: all mantissa bits set), and a
+    plain quiet NaN."""
+    import torch
+    q, k, v = (torch.as_tensor(x, device="cuda") for x in qkv((1, 2, 2, 40, 50, d, d)))
+    gpu_nan = torch.zeros((), device="cuda") / 0
+    q[0, 0, 5, 3] = gpu_nan
+    k[0, 1, 7, 2] = float("nan")
+    v[0, 0, 9, 4] = gpu_nan
+    out = torch.as_tensor(cpuflash.attention(q, k, v), device="cuda").cpu().numpy()
+    nan = np.isnan(out)
+    assert nan[0, 0, 5].all()             # the row of the NaN query
+    assert nan[0, 1].all()                # every row of head 1 sees key 7
+    assert nan[0, 0, :, 4].all()          # every row of head 0 averages v's NaN into dim 4
+    expected = np.zeros_like(nan)
+    expected[0, 0, 5], expected[0, 1], expected[0, 0, :, 4] = True, True, True
+    np.testing.assert_array_equal(nan, expected)

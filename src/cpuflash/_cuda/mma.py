@@ -12,7 +12,9 @@ bits; ``x - big`` is exact); then ``a * b ~= a_big*b_big + a_big*b_small + a_sma
 with only the ``a_small*b_small`` term (2^-22 of the product) left out, and float32
 accumulation. Three MMAs per product give float32-class accuracy at tensor-core speed: what
 CUTLASS calls ``OpMultiplyAddFastF32``, and what torch's "efficient" SDPA kernel uses for
-float32 on sm_80 and newer.
+float32 on sm_80 and newer. ``tf32`` rounds with ``cvt.rna`` (and keeps NaN a NaN);
+``tf32_trunc`` and ``tf32_near`` are CUTLASS's cheaper split in integer instructions (big
+truncated, small rounded), for the operands split in every tile (``forward_mma._split``).
 
 Fragments of ``m16n8k8`` (``g = lane // 4``, ``t = lane % 4``), from the PTX ISA:
 
@@ -56,6 +58,42 @@ def tf32(typingctx, x):
     def codegen(context, builder, sig, args):
         cvt = ir.InlineAsm(ir.FunctionType(_I32, [_F32]), "cvt.rna.tf32.f32 $0, $1;", "=r,f")
         return builder.bitcast(builder.call(cvt, [args[0]]), _F32)
+
+    return types.float32(types.float32), codegen
+
+
+def _tf32_bits(builder, x, add):
+    """LLVM: float32 ``x`` with ``add`` added to its bits, then the low 13 mantissa bits
+    cleared: a TF32 value (``add = 0``: truncated; ``0x1000``: rounded to nearest, ties away
+    from zero, as a carry into the exponent rounds up a power of two)."""
+    bits = builder.bitcast(x, _I32)
+    if add:
+        bits = builder.add(bits, ir.Constant(_I32, add))
+    return builder.bitcast(builder.and_(bits, ir.Constant(_I32, 0xFFFFE000)), _F32)
+
+
+@intrinsic
+def tf32_trunc(typingctx, x):
+    """``x`` truncated to TF32 (toward zero): one logic instruction, and exact to subtract
+    from ``x``, which the small part of a split needs."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return _tf32_bits(builder, args[0], 0)
+
+    return types.float32(types.float32), codegen
+
+
+@intrinsic
+def tf32_near(typingctx, x):
+    """``x`` rounded to TF32 by adding half an ulp to its bits and truncating (CUTLASS's
+    ``round_half_ulp_truncate``): two integer instructions, for finite values as ``tf32``."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return _tf32_bits(builder, args[0], 0x1000)
 
     return types.float32(types.float32), codegen
 
