@@ -228,9 +228,9 @@ def _split(value, big, small, once=False):
 
     In the loop (K, V and P, split in every tile), CUTLASS's split: ``big`` truncated (one
     logic instruction), ``small = value - big`` (exact) rounded by adding half an ulp to its
-    bits: four instructions. ``cvt.rna`` (``tf32``), which also takes care of NaN, takes
-    about three times as many (ptxas sm_90); measured on the H200, the loop so is 7-13 %
-    faster at D=128 and 13-15 % at D=64 (log bench/results/h200_tf32_split_stop22.txt). A
+    bits: four instructions. ``cvt.rna`` (``tf32``) compiles to more, with a NaN test each
+    (FSETP and SEL in the SASS); measured on the H200 with ten calls, the fast split is 8-9 %
+    faster at D=128 and 13-14 % at D=64 (log bench/results/h200_tf32_split_stop22.txt). A
     NaN stays NaN in ``big``: masking off low mantissa bits keeps a quiet NaN's quiet bit
     (only a signalling NaN with nothing but its low 13 bits set would read as an infinity).
     ``small`` then carries up to a whole TF32 ulp, not half, and the product left out is up

@@ -72,30 +72,29 @@ def _tf32_bits(builder, x, add):
     return builder.bitcast(builder.and_(bits, ir.Constant(_I32, 0xFFFFE000)), _F32)
 
 
-@intrinsic
-def tf32_trunc(typingctx, x):
-    """``x`` truncated to TF32 (toward zero): one logic instruction, and exact to subtract
-    from ``x``, which the small part of a split needs."""
-    if x != types.float32:
-        return None
+def _tf32_by_bits(name, add, doc):
+    """An intrinsic ``name(x)``: float32 ``x`` to TF32 by ``_tf32_bits`` with ``add``."""
+    def impl(typingctx, x):
+        if x != types.float32:
+            return None
 
-    def codegen(context, builder, sig, args):
-        return _tf32_bits(builder, args[0], 0)
+        def codegen(context, builder, sig, args):
+            return _tf32_bits(builder, args[0], add)
 
-    return types.float32(types.float32), codegen
+        return types.float32(types.float32), codegen
+
+    impl.__name__ = impl.__qualname__ = name
+    impl.__doc__ = doc
+    return intrinsic(impl)
 
 
-@intrinsic
-def tf32_near(typingctx, x):
-    """``x`` rounded to TF32 by adding half an ulp to its bits and truncating (CUTLASS's
-    ``round_half_ulp_truncate``): two integer instructions, for finite values as ``tf32``."""
-    if x != types.float32:
-        return None
-
-    def codegen(context, builder, sig, args):
-        return _tf32_bits(builder, args[0], 0x1000)
-
-    return types.float32(types.float32), codegen
+tf32_trunc = _tf32_by_bits(
+    "tf32_trunc", 0, """``x`` truncated to TF32 (toward zero): one logic instruction, and exact to
+    subtract from ``x``, which the small part of a split needs.""")
+tf32_near = _tf32_by_bits(
+    "tf32_near", 0x1000, """``x`` rounded to TF32 by adding half an ulp to its bits and
+    truncating (CUTLASS's ``round_half_ulp_truncate``): two integer instructions; for finite
+    values as ``tf32``.""")
 
 
 @intrinsic
