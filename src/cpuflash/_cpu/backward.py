@@ -26,7 +26,7 @@ from numba import prange
 from .. import config
 from . import simd
 from ._jit import kernel
-from .tasks import unravel
+from .tasks import run_dynamic, unravel
 from .masking import (HIDDEN, MIXED, apply_user_mask, mask_tile, tile_key_range,
                       tile_needs_mask)
 from .dropout import dropout_row
@@ -358,10 +358,10 @@ def run_backward(dout, q, k, v, out, lse, scale, band, mods, user_mask, drop, po
     delta = np.empty(lse.shape, dtype=dtype)
     row_terms(dout, out, lse, q, scale * LOG2_E, lse2, lse2_lo, delta, qp)
     dout = np.ascontiguousarray(dout)  # one compiled kernel per dtype
-    backward(qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad,
-             left, right, kv_lens, softcap2, slopes2, user_mask.view, user_mask.is_bool,
-             user_mask.tile_states(block_q, block_k), drop[0], drop[1], starts, portable,
-             dq_part, dk, dv, scale, dq)
+    run_dynamic(backward, qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad,
+                left, right, kv_lens, softcap2, slopes2, user_mask.view, user_mask.is_bool,
+                user_mask.tile_states(block_q, block_k), drop[0], drop[1], starts, portable,
+                dq_part, dk, dv, scale, dq)
     if n_chunks > 1:  # else the kernel wrote dQ; here the partials are summed in chunk order
         finish_dq(dq_part, scale, dq)
     return dq, dk, dv

@@ -31,7 +31,7 @@ from numba import prange
 from .. import config
 from . import simd
 from ._jit import helper, kernel
-from .tasks import unravel
+from .tasks import run_dynamic, unravel
 from .decode import run_decode
 from .pack import empty, packed_kv
 from .masking import (HIDDEN, MIXED, apply_user_mask, mask_tile, tile_key_range,
@@ -47,9 +47,11 @@ LOG2_E = 1.0 / LN2
 @helper
 def balanced_order(j, n):
     """The j-th of n query blocks in the order 0, n-1, 1, n-2, ...: under causal masking a
-    block's cost grows with its index, and Numba hands each thread a contiguous range of
-    tasks, so pairing cheap with dear blocks gives every thread the same work (measured at
-    H=1, N=8192, causal: 147 -> 218 GFLOP/s)."""
+    block's cost grows with its index; where Numba hands each thread a contiguous range of
+    tasks, pairing cheap with dear blocks gives every thread the same work (measured at H=1,
+    N=8192, causal: 147 -> 218 GFLOP/s). The kernel now runs with tasks handed out one at a
+    time (``tasks.run_dynamic``), which balances by itself; the order keeps the dear blocks
+    from all coming last."""
     return j // 2 if j % 2 == 0 else n - 1 - j // 2
 
 
@@ -194,7 +196,7 @@ def run_forward(q, k, v, scale, band, mods, user_mask, drop, portable, out=None,
     block_k = config.block_k(d)
     kt, vt = packed_kv(k, v, block_k, config.lanes(q.dtype), config.panel_width(q.dtype))
     block_q = config.block_q(n_q, d, n_b * n_hq, numba.get_num_threads())
-    forward(q, kt, vt, block_q, scale * LOG2_E, left, right, kv_lens, softcap2, slopes2,
-            user_mask.view, user_mask.is_bool, user_mask.tile_states(block_q, block_k),
-            drop[0], drop[1], portable, out, lse)
+    run_dynamic(forward, q, kt, vt, block_q, scale * LOG2_E, left, right, kv_lens, softcap2,
+                slopes2, user_mask.view, user_mask.is_bool,
+                user_mask.tile_states(block_q, block_k), drop[0], drop[1], portable, out, lse)
     return out, lse
