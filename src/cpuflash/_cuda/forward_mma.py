@@ -87,10 +87,10 @@ MAX_HEAD_DIM = 128  # the output of 16 rows x 128 dims is 64 registers a thread
 # at both widths; so did keeping Q, K and V in shared memory already split (fewer
 # conversions, twice the loads: 0.63-0.72x at D=64).
 # P V's n-tiles (8 dims each) taken together: their MMA chains interleaved, so that more of
-# them are in flight (the same sums, so the same bits). Measured on the H200 with ten calls between the
-# events, N = 4096 / 16384, not causal (log bench/results/h200_q_presplit_stop22.txt): 1, 2, 4
-# n-tiles at D=128 14.38 / 14.35 / 14.11 ms and 223 / 222 / 220 ms, at D=64 6.51 / 6.48 /
-# 6.43 ms and 97.5 / 97.7 / 96.9 ms. No spills with 4 (ptxas, sm_90).
+# them are in flight (the same sums, so the same bits). Measured on the H200 with ten calls
+# between the events, N = 4096 / 16384, not causal (log bench/results/h200_q_presplit_stop22.txt):
+# 1, 2, 4 n-tiles at D=128 14.38 / 14.35 / 14.11 ms and 223 / 222 / 220 ms, at D=64 6.51 /
+# 6.48 / 6.43 ms and 97.5 / 97.7 / 96.9 ms. No spills with 4 (ptxas, sm_90).
 PV_GROUP = 4
 SHAPES = {16: (4, 2, 16, 1), 32: (4, 2, 16, 1), 48: (4, 2, 16, 1), 64: (4, 2, 16, 1),
           80: (4, 2, 16, 2), 96: (4, 2, 16, 2), 112: (4, 2, 16, 2), 128: (4, 2, 16, 2)}
