@@ -1,65 +1,100 @@
 """A/B of the float32 tensor-core forward on the GPU: a module constant of
 ``cpuflash._cuda.forward_mma`` (such as ``PV_GROUP``) set to each value in turn, each variant
 compiled once, timed in rounds side by side with torch's efficient kernel (B=4, H=16; min of 2
-rounds of medians, CALLS calls between the CUDA events); the last column says whether every
-variant gave the first one's bits. Not collected by pytest.
+rounds of medians, ``--calls`` calls between the CUDA events); the last column says whether
+every variant gave the first one's bits. Not collected by pytest.
 
-    python bench/cuda_ab.py NAME V1,V2,... CALLS D1,D2 CAUSAL(0,1) N1,N2
-    e.g. python bench/cuda_ab.py PV_GROUP 1,2,4 10 128,64 0 4096,16384
+    python bench/cuda_ab.py NAME V1,V2,... [--calls 10] [--d 128,64] [--causal 0] [--n 4096]
+    e.g. python bench/cuda_ab.py PV_GROUP 1,2,4 --calls 10 --d 128,64 --n 4096,16384
 """
+import argparse
 import sys
-import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
-sys.path.insert(0, "bench")
-from cuda_bench import timed  # noqa: E402
-import cpuflash  # noqa: E402
-from cpuflash._cuda import forward_mma  # noqa: E402
+from pathlib import Path
 
-attr = sys.argv[1]
-values = [int(x) if x.lstrip("-").isdigit() else x for x in sys.argv[2].split(",")]
-calls = int(sys.argv[3])
-dims = [int(x) for x in sys.argv[4].split(",")]
-causals = [x == "1" for x in sys.argv[5].split(",")]
-ns = [int(x) for x in sys.argv[6].split(",")]
-orig = forward_mma.kernel.__wrapped__
-cache = {}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def kernel(*a):
-    key = (getattr(forward_mma, attr),) + a
-    if key not in cache:
-        forward_mma.make_forward.cache_clear()
-        cache[key] = orig(*a)
-    return cache[key]
+def int_list(text, at_least=1):
+    """``"1,2,4"`` as ints, each at least ``at_least`` (for argparse)."""
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+    if min(values) < at_least:
+        raise argparse.ArgumentTypeError(f"must be at least {at_least}, got {text!r}")
+    return values
 
 
-forward_mma.kernel = kernel
-print(f"{attr} in {values}; ms (x torch); calls {calls}")
-for d in dims:
-    for causal in causals:
-        for n in ns:
-            gen = torch.Generator(device="cuda").manual_seed(0)
-            q, k, v = (torch.randn(4, 16, n, d, device="cuda", generator=gen) for _ in range(3))
-            outs, t = {}, {}
-            for x in values:
-                setattr(forward_mma, attr, x)
-                outs[x] = torch.as_tensor(cpuflash.attention(q, k, v, causal=causal),
-                                          device="cuda").clone()
-            reps = 5 if n < 16384 else 3
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("name", help="a module constant of cpuflash._cuda.forward_mma")
+    p.add_argument("values", type=lambda t: int_list(t, at_least=-2**31),
+                   help="comma-separated integer values to try, the first the reference")
+    p.add_argument("--calls", type=int, default=10, help="calls between the events")
+    p.add_argument("--d", type=int_list, default=[128, 64])
+    p.add_argument("--causal", default="0", choices=("0", "1", "0,1"))
+    p.add_argument("--n", type=int_list, default=[4096, 16384])
+    a = p.parse_args(argv)
+    if a.calls < 1:
+        p.error(f"--calls must be at least 1, got {a.calls}")
+    from cpuflash._cuda import forward_mma
+    if not (a.name.isupper() and isinstance(getattr(forward_mma, a.name, None), int)):
+        p.error(f"argument name: {a.name!r} is not an integer constant of "
+                "cpuflash._cuda.forward_mma (such as PV_GROUP)")
+    return a
 
-            def theirs():
-                with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
-                    F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-            for rnd in range(2):
-                for x in values:
-                    setattr(forward_mma, attr, x)
-                    t.setdefault(x, []).append(
-                        timed(lambda: cpuflash.attention(q, k, v, causal=causal), reps, calls))
-                t.setdefault("torch", []).append(timed(theirs, reps, calls))
-            tt = min(t["torch"]) * 1e3
-            cells = " | ".join(f"{min(t[x]) * 1e3:.3f} ({tt / min(t[x]) / 1e3:.2f})"
-                               for x in values)
-            same = all(torch.equal(outs[values[0]], outs[x]) for x in values)
-            print(f"| {d} | {n} | {'yes' if causal else 'no'} | {cells} | torch {tt:.3f} | "
-                  f"bitwise {same} |", flush=True)
+
+def main(a):
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from cuda_bench import timed
+    import cpuflash
+    from cpuflash._cuda import forward_mma
+
+    orig = forward_mma.kernel.__wrapped__
+    compiled = {}
+
+    def kernel(*args):  # one compiled kernel per value of the constant
+        key = (getattr(forward_mma, a.name),) + args
+        if key not in compiled:
+            forward_mma.make_forward.cache_clear()
+            compiled[key] = orig(*args)
+        return compiled[key]
+
+    forward_mma.kernel = kernel
+    print(f"{a.name} in {a.values}; ms (x torch); calls {a.calls}")
+    for d in a.d:
+        for causal in (c == "1" for c in a.causal.split(",")):
+            for n in a.n:
+                gen = torch.Generator(device="cuda").manual_seed(0)
+                q, k, v = (torch.randn(4, 16, n, d, device="cuda", generator=gen)
+                           for _ in range(3))
+
+                def ours():
+                    return cpuflash.attention(q, k, v, causal=causal)
+
+                def theirs():
+                    with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+                        F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+                outs, t = {}, {}
+                for x in a.values:
+                    setattr(forward_mma, a.name, x)
+                    outs[x] = torch.as_tensor(ours(), device="cuda").clone()
+                reps = 5 if n < 16384 else 3
+                for _ in range(2):
+                    for x in a.values:
+                        setattr(forward_mma, a.name, x)
+                        t.setdefault(x, []).append(timed(ours, reps, a.calls))
+                    t.setdefault("torch", []).append(timed(theirs, reps, a.calls))
+                tt = min(t["torch"]) * 1e3
+                cells = " | ".join(f"{min(t[x]) * 1e3:.3f} ({tt / min(t[x]) / 1e3:.2f})"
+                                   for x in a.values)
+                same = all(torch.equal(outs[a.values[0]], outs[x]) for x in a.values)
+                print(f"| {d} | {n} | {'yes' if causal else 'no'} | {cells} | torch {tt:.3f} | "
+                      f"bitwise {same} |", flush=True)
+
+
+if __name__ == "__main__":
+    main(parse())

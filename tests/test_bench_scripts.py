@@ -23,6 +23,11 @@ def run(script, *args):
     ("after_torch.py", ["alone", "fwd", "64", "64", "2", "3"], "argument causal"),
     ("cuda_bench.py", ["--calls", "0"], "--calls must be at least 1"),
     ("cuda_bench.py", ["--reps", "-1"], "--reps must be at least 1"),
+    ("cuda_ab.py", ["NOPE", "1,2"], "argument name: 'NOPE' is not an integer constant"),
+    ("cuda_ab.py", ["SHAPES", "1,2"], "argument name: 'SHAPES' is not an integer constant"),
+    ("cuda_ab.py", ["PV_GROUP", "a,b"], "argument values: expected comma-separated integers"),
+    ("cuda_ab.py", ["PV_GROUP", "1,2", "--calls", "0"], "--calls must be at least 1"),
+    ("cuda_ab.py", ["PV_GROUP", "1,2", "--n", "0"], "argument --n: must be at least 1"),
 ])
 def test_bad_arguments(script, args, words):
     done = run(script, *args)

@@ -151,6 +151,12 @@ def test_ptx_tensor_cores(d, tmp_path):
     _, m_tiles, keys, split = forward_mma.SHAPES[d]  # a warp: d / split of the dims
     assert ptx.count("mma.sync.aligned.m16n8k8") == (3 * m_tiles * (d // split // 8)
                                                      * (keys // 8) * 2)
+    # The per-tile TF32 splits (K, V, P) by bit masks (two per value: big and small), not by
+    # cvt.rna, which Q's split alone keeps, outside the key loop (forward_mma._split).
+    per_tile = (2 * 2 * (d // split // 8) * (keys // 8)  # K and V fragments: 2 values each
+                + 4 * m_tiles * (keys // 8))             # P: 4 values per m-tile and n-tile
+    assert ptx.count(", -8192;") == 2 * per_tile
+    assert ptx.count("cvt.rna.tf32.f32") < per_tile
     assert "cp.async.cg.shared.global" in ptx
     assert dynamic_bytes > 48 * 1024
     assert ".extern .shared" in ptx
