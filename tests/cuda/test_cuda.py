@@ -567,3 +567,64 @@ def test_tensor_core_kernel_nan_propagates(d):
     expected = np.zeros_like(nan)
     expected[0, 0, 5], expected[0, 1], expected[0, 0, :, 4] = True, True, True
     np.testing.assert_array_equal(nan, expected)
+
+
+@pytest.mark.parametrize("latest_first", [False, True])
+def test_block_order_covers_every_block_once(latest_first):
+    """``tiles.block_lines`` maps the 1-D grid onto (head, row block) one to one, whatever the
+    number of heads, rows and the heads that fit the L2 share together (one, some with a
+    smaller last group, all)."""
+    import itertools
+    from types import SimpleNamespace
+    from cpuflash._cuda.tiles import L2_SHARE, block_lines, grid
+    lines = "\n".join(block_lines("n", "rows", "heads", "head_bytes", "head", "first",
+                                  latest_first))
+    for heads, n, rows, head_bytes in itertools.product(
+            [1, 3, 7, 64], [1, 5, 64, 200], [16, 64], [0, L2_SHARE // 5, L2_SHARE, 3 * L2_SHARE]):
+        seen = []
+        for blk in range(grid(heads, n, rows)):
+            at = {"n": n, "rows": rows, "heads": heads, "head_bytes": head_bytes,
+                  "L2_SHARE": L2_SHARE, "int64": int,
+                  "cuda": SimpleNamespace(blockIdx=SimpleNamespace(x=blk))}
+            exec(lines, at)  # noqa: S102 - the generated lines, as the kernels run them
+            seen.append((at["head"], at["first"]))
+        assert sorted(seen) == [(h, r) for h in range(heads) for r in range(0, n, rows)]
+        if head_bytes >= L2_SHARE:  # one head at a time: all of a head's blocks in a row
+            assert [h for h, _ in seen] == sorted(h for h, _ in seen)
+        if latest_first and head_bytes == 0:  # all heads together: longest first
+            assert [r for _, r in seen] == sorted((r for _, r in seen), reverse=True)
+
+
+@pytest.fixture
+def fresh_kernels():
+    """Kernels compiled anew before and after the test (their block order reads
+    ``tiles.L2_SHARE`` when they are generated)."""
+    from cpuflash._cuda import backward, forward, forward_f16, forward_mma
+
+    def clear():
+        for fn in (forward.make_forward, forward.kernel, forward_mma.make_forward,
+                   forward_mma.kernel, forward_f16.make_forward, forward_f16.kernel,
+                   backward.make_dkdv, backward.make_dq, backward.kernels):
+            fn.cache_clear()
+    clear()
+    yield
+    clear()
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_one_head_at_a_time(shape, fresh_kernels, monkeypatch):
+    """With an L2 share too small for one head, the blocks go head by head (several groups,
+    the last one short); forward and backward still match the reference (causal, GQA)."""
+    from cpuflash._cuda import tiles
+    monkeypatch.setattr(tiles, "L2_SHARE", 1)
+    q, k, v = qkv(shape)
+    (dout,) = rands(q.shape[:-1] + (v.shape[-1],), seed=7)
+    gq, gk, gv, gdo = on_gpu(q, k, v, dout)
+    out, lse = cpuflash.attention(gq, gk, gv, return_lse=True, causal=True)
+    ref = reference.attention(q, k, v, causal=True)
+    np.testing.assert_allclose(out.copy_to_host(), ref, atol=tol(np.float32, ref), rtol=0)
+    grads = cpuflash.attention_backward(gdo, gq, gk, gv, out, lse, causal=True)
+    refs = reference.attention_backward(dout, q, k, v, causal=True)
+    for name, g, r in zip(("dq", "dk", "dv"), grads, refs):
+        np.testing.assert_allclose(g.copy_to_host(), r, atol=5 * tol(np.float32, r), rtol=0,
+                                   err_msg=name)

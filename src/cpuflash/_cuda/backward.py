@@ -43,10 +43,12 @@ from .tiles import (
     PREP_ARGS,
     ZERO,
     backward_shape,
+    block_lines,
     extra_args,
     extra_names,
     first_key,
     grad_lines,
+    grid,
     index_mask,
     last_key,
     mask_prologue,
@@ -96,9 +98,9 @@ def dkdv(q, k, v, dout, lse2, delta, scale2, left, right, kv_lens, softcap2, slo
     qs = cuda.shared.array(SK_C, float32)   # Q^T of a query tile, times scale2
     dos = cuda.shared.array(SV_C, float32)  # dO^T
     @common
-    b = int64(cuda.blockIdx.x) // n_hkv
-    hk = int64(cuda.blockIdx.x) % n_hkv
-    k0 = int64(cuda.blockIdx.y) * BR
+    @dkdv_block
+    b = bhk // n_hkv
+    hk = bhk % n_hkv
     kv_len = kv_lens[b]
     off = kv_len - n_q
     k1 = min(k0 + BR, kv_len)  # keys past kv_len: never read, gradient 0
@@ -164,10 +166,10 @@ def dq_kernel(q, k, v, dout, lse2, delta, scale2, left, right, kv_lens, softcap2
     ks = cuda.shared.array(SK_C, float32)   # K^T of a key tile, rotated
     vs = cuda.shared.array(SV_C, float32)   # V^T
     @common
-    b = int64(cuda.blockIdx.x) // n_hq
-    h = int64(cuda.blockIdx.x) % n_hq
+    @dq_block
+    b = bh // n_hq
+    h = bh % n_hq
     hk = h // (n_hq // n_hkv)
-    q0 = (int64(cuda.gridDim.y) - 1 - int64(cuda.blockIdx.y)) * BR
     rows = min(BR, n_q - q0)
     kv_len = kv_lens[b]
     off = kv_len - n_q
@@ -273,6 +275,9 @@ def make_dkdv(d_pad, dv_pad, mods, mask=None, dropout=False):
         store += rep(f"    if tx + {{cc8}} < d_v: dv[b, hk, k0 + ty * TM + {i}, tx + {{cc8}}] = "
                      f"v{i}_{{cc}}", cc=CV)
     source = expand(DKDV, grad=grad, acc=acc, store=store, per_head=mask_prologue(mask),
+                    dkdv_block=block_lines(
+                        "n_k", "BR", "q.shape[0] * n_hkv",
+                        "n_q * (d + d_v) * q.itemsize * (n_hq // n_hkv)", "bhk", "k0"),
                     init=rep("g{i}_{cc} = ZERO", i=TM, cc=CK) + rep("v{i}_{cc} = ZERO", i=TM,
                                                                      cc=CV),
                     **blocks)
@@ -317,6 +322,10 @@ def make_dq(d_pad, dv_pad, mods, mask=None, dropout=False):
                      cc=CK)
     source = expand(DQ, band=[f"lo = {first_key('q0')}", f"hi = {last_key('q0 + rows - 1')}"],
                     grad=grad, acc=acc, store=store, rows_stats=stats,
+                    dq_block=block_lines(
+                        "n_q", "BR", "q.shape[0] * n_hq",
+                        "k.shape[2] * (d + d_v) * k.itemsize * n_hkv // n_hq", "bh", "q0",
+                        latest_first=True),
                     init=rep("g{i}_{cc} = ZERO", i=TM, cc=CK), **blocks)
     source = expand(source, common=[line.strip() for line in COMMON.strip().splitlines()])
     names = _names(TM=TM, BR=BR, BC=BC, NT=NT, DK=DK, DV=DV, MODS=mods, SK_R=DK * BR,
@@ -361,6 +370,6 @@ def run_backward(dout, q, k, v, out, lse, scale, band, mods, dq, dk, dv, stream=
         prep_k(-(-rows // 128), 128, stream, dout, out, lse, delta, lse2)
     args = (q, k, v, dout, lse2, delta, *options, *extras)
     if n_b * n_hkv and n_k:
-        dkdv_k((n_b * n_hkv, -(-n_k // r1)), t1, stream, *args, dk, dv)
+        dkdv_k(grid(n_b * n_hkv, n_k, r1), t1, stream, *args, dk, dv)
     if rows:
-        dq_k((n_b * n_hq, -(-n_q // r2)), t2, stream, *args, scale, dq)
+        dq_k(grid(n_b * n_hq, n_q, r2), t2, stream, *args, scale, dq)

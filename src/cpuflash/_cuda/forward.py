@@ -52,9 +52,10 @@ from .tiles import (
     column,
     column_offset,
     dropout_lines,
-    extra_names,
     extra_args,
+    extra_names,
     forward_shape,
+    grid,
     group_width,
     index_mask,
     mask_prologue,
@@ -269,5 +270,5 @@ def run_forward(q, k, v, scale, band, mods, out, lse, stream=None, mask=None, dr
     kv_dtype = None if k.dtype == q.dtype else np.dtype(k.dtype).str
     fn, threads, rows = kernel(pad8(d), pad8(v.shape[3]), has_mods, np.dtype(q.dtype).str,
                                kinds, kv_dtype)
-    fn((n_b * n_hq, -(-n_q // rows)), threads, stream, q, k, v, *options, *extras,
+    fn(grid(n_b * n_hq, n_q, rows), threads, stream, q, k, v, *options, *extras,
        *scale_args(kv_scales), out, lse)

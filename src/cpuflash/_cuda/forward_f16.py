@@ -40,11 +40,27 @@ import numpy as np
 from numba import float32, int32, int64
 
 from .codegen import build
-from .forward_mma import copy_tile, kernel_source, mtile_rows, mtile_softmax
-from .forward_mma import mtile_state, mtile_tags, pad16, takes
+from .forward_mma import (
+    copy_tile,
+    kernel_source,
+    mtile_rows,
+    mtile_softmax,
+    mtile_state,
+    mtile_tags,
+    pad16,
+    takes,
+)
 from .launch import compiled
-from .mma import copy_async16, copy_commit, copy_wait, copy_wait_all, ldmatrix_x4
-from .mma import ldmatrix_x4_trans, mma_f16, pack_f16
+from .mma import (
+    copy_async16,
+    copy_commit,
+    copy_wait,
+    copy_wait_all,
+    ldmatrix_x4,
+    ldmatrix_x4_trans,
+    mma_f16,
+    pack_f16,
+)
 from .runtime import load
 from .tiles import (
     FORWARD_ARGS,
@@ -55,6 +71,7 @@ from .tiles import (
     ONE,
     ZERO,
     extra_names,
+    grid,
     index_mask,
     mask_prologue,
     shared_size,
@@ -229,4 +246,4 @@ def run_forward(q, k, v, options, has_mods, kinds, extras, out, lse, stream=None
     kernels' option and extra arguments and their kinds); ``usable`` must hold."""
     n_b, n_hq, n_q, d = q.shape
     fn, threads, rows = kernel(pad16(d), pad16(v.shape[3]), has_mods, kinds)
-    fn((n_b * n_hq, -(-n_q // rows)), threads, stream, q, k, v, *options, *extras, out, lse)
+    fn(grid(n_b * n_hq, n_q, rows), threads, stream, q, k, v, *options, *extras, out, lse)

@@ -43,8 +43,16 @@ from numba import float32, int64
 
 from .codegen import build, expand, join, rep
 from .launch import compiled
-from .mma import (copy_async16, copy_commit, copy_wait, copy_wait_all, mma_tf32, tf32, tf32_near,
-                  tf32_trunc)
+from .mma import (
+    copy_async16,
+    copy_commit,
+    copy_wait,
+    copy_wait_all,
+    mma_tf32,
+    tf32,
+    tf32_near,
+    tf32_trunc,
+)
 from .runtime import load
 from .tiles import (
     FORWARD_ARGS,
@@ -54,15 +62,16 @@ from .tiles import (
     NEG_INF,
     NO_EXTRAS,
     ONE,
+    SHARED_FLOATS,
     ZERO,
     band_lines,
     dropout_lines,
     extra_names,
+    grid,
     index_mask,
     mask_prologue,
     q_block_lines,
     score_lines,
-    SHARED_FLOATS,
     shfl_xor_sync,
     signature,
 )
@@ -481,4 +490,4 @@ def run_forward(q, k, v, options, has_mods, kinds, extras, out, lse, stream=None
     kernels' option and extra arguments and their kinds); ``usable`` must hold."""
     n_b, n_hq, n_q, d = q.shape
     fn, threads, rows, _ = kernel(pad16(d), pad16(v.shape[3]), has_mods, kinds)
-    fn((n_b * n_hq, -(-n_q // rows)), threads, stream, q, k, v, *options, *extras, out, lse)
+    fn(grid(n_b * n_hq, n_q, rows), threads, stream, q, k, v, *options, *extras, out, lse)

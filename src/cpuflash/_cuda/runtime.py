@@ -1,11 +1,18 @@
 """Import numba.cuda on demand, with an error that says what to install."""
+import functools
 
 INSTALL_HINT = ('pip install "cpuflash[cuda]"  (NVIDIA\'s numba-cuda with the CUDA 12 '
                 'toolkit wheels)')
 
 
+_cuda = None  # numba.cuda once loaded (an attention call asks several times)
+
+
 def load():
     """``numba.cuda`` from NVIDIA's numba-cuda package; ImportError with the install hint."""
+    global _cuda
+    if _cuda is not None:
+        return _cuda
     import numpy as np
     if not hasattr(np, "row_stack"):
         # numba-cuda 0.30 registers an overload for np.row_stack when it first compiles;
@@ -17,6 +24,7 @@ def load():
         from numba import cuda
     except ImportError as e:
         raise ImportError(f"cpuflash: the CUDA path needs numba-cuda: {INSTALL_HINT}") from e
+    _cuda = cuda
     return cuda
 
 
@@ -31,8 +39,15 @@ def require_device():
 
 
 def simulated():
-    from numba import config
-    return bool(config.ENABLE_CUDASIM)
+    """Whether numba-cuda's simulator runs the kernels (``NUMBA_ENABLE_CUDASIM=1``, read by
+    numba's config at import)."""
+    return bool(_numba_config().ENABLE_CUDASIM)
+
+
+@functools.cache
+def _numba_config():
+    from numba.core import config  # an import statement per call is 2-3 us of import machinery
+    return config
 
 
 def context_handle():

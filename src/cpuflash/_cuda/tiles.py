@@ -117,15 +117,50 @@ def last_key(i):
     return f"min(kv_len - 1, {i} + off + right)"
 
 
-# The forward kernels' block coordinates: one block per (query block of BM rows, batch * head),
-# the blocks of the latest rows launched first (causal: they have the most tiles).
-FORWARD_BLOCK = """
-bh = int64(cuda.blockIdx.x)
+def grid(heads, n, rows):
+    """The 1-D grid of the kernels: a block per (head, block of ``rows`` of ``n``), in the
+    order of ``block_lines``."""
+    return heads * -(-n // rows)
+
+
+# The bytes of the heads whose blocks run together (``block_lines``): a third of an H100's or
+# H200's 50 MiB L2 cache (an A100 has 40), so that what they share stays there.
+L2_SHARE = 16 << 20
+
+
+def block_lines(n, rows, heads, head_bytes, head, first, latest_first=False):
+    """Kernel lines: this block's ``head`` (of ``heads``, batch * head indices) and ``first``
+    (its first row of ``n``, in blocks of ``rows``), in the 1-D grid of ``grid``; ``head_bytes``
+    is what a head's blocks all read (a query head's K and V: its share of them under GQA).
+
+    The order: heads in groups of as many as fit ``L2_SHARE`` bytes (at least one); group by
+    group, and within a group row block by row block (``latest_first``: from the last, which
+    under causal masking has the most tiles), head by head. So the blocks that run at once
+    read the same few heads' K and V through the L2 cache; and where every head fits (short
+    sequences), all heads form one group and the blocks go longest first, which balances a
+    causal launch of few waves. Measured on the H200, float32, B=4, H=16 (log
+    bench/results/h200_block_order_stop23.txt): one row block after another for all heads
+    (stop 22's order) let N = 16384, D = 128 read its K/V from DRAM, 3-5 % slower than head
+    by head; head by head alone cost causal N = 1024 10-20 %, whose blocks then ran in two
+    waves without the longest first."""
+    within = "rank" if not latest_first else "(n_blocks - 1 - rank)"
+    return [f"n_blocks = ({n} + {rows} - 1) // {rows}",
+            f"together = min({heads}, max(1, L2_SHARE // max(1, {head_bytes})))",
+            "blk = int64(cuda.blockIdx.x)",
+            "first_head = blk // (together * n_blocks) * together",
+            f"in_group = min(together, {heads} - first_head)",
+            "rank = blk % (together * n_blocks) // in_group",
+            f"{head} = first_head + blk % (together * n_blocks) % in_group",
+            f"{first} = {within} * {rows}"]
+
+
+# The forward kernels' block coordinates: one block per (query block of BM rows, batch * head).
+FORWARD_BLOCK = block_lines(
+    "n_q", "BM", "q.shape[0] * n_hq", "k.shape[2] * (d + dv) * k.itemsize * n_hkv // n_hq",
+    "bh", "q0", latest_first=True) + """
 b = bh // n_hq
 h = bh % n_hq
 hk = h // (n_hq // n_hkv)  # GQA: query head h reads kv head h // group
-qb = int64(cuda.gridDim.y) - 1 - int64(cuda.blockIdx.y)  # dearest causal blocks start first
-q0 = qb * BM
 rows = min(BM, n_q - q0)
 kv_len = kv_lens[b]
 off = kv_len - n_q
@@ -385,11 +420,12 @@ NO_EXTRAS = (None, np.dtype(np.uint8).str, False)
 
 def extra_names():
     """The globals that the lines of the mask and dropout (``score_lines``, ``dropout_lines``,
-    ``grad_lines``) read in a generated kernel; ``DROPOUT_STAMP`` puts the hash's source among
-    the kernel's constants (``dropout.SOURCE_STAMP``)."""
+    ``grad_lines``) and of the block order (``block_lines``) read in a generated kernel;
+    ``DROPOUT_STAMP`` puts the hash's source among the kernel's constants
+    (``dropout.SOURCE_STAMP``)."""
     from .dropout import SOURCE_STAMP, keep_scale, row_mix
     return {"LOG2_E": LOG2_E, "NEG_INF": NEG_INF, "row_mix": row_mix,
-            "keep_scale": keep_scale, "DROPOUT_STAMP": SOURCE_STAMP}
+            "keep_scale": keep_scale, "DROPOUT_STAMP": SOURCE_STAMP, "L2_SHARE": L2_SHARE}
 
 
 _NO_MASK = np.ones((1, 1, 1, 1), dtype=np.uint8)
