@@ -546,6 +546,31 @@ def test_torch_tensors_read_as_their_interface_says():
     assert not arrays.is_gpu_array(torch.eye(3, device="cuda").to_sparse())  # as the interface
 
 
+@pytest.mark.skipif(SIMULATED, reason="torch CUDA tensors need a GPU")
+def test_torch_results_described_as_view_reads_them(monkeypatch):
+    """``arrays.empty`` describes a new torch tensor itself (no read back): the same record as
+    ``arrays.view`` of it; ``torch_stream`` names torch's current stream with torch's raw
+    accessor and without it (the public API, for a torch that lacks the accessor)."""
+    torch = pytest.importorskip("torch")
+    from cpuflash._cuda import arrays
+    like = torch.zeros(1, device="cuda")
+    side = torch.cuda.Stream()
+    for shape, dtype in [((2, 3, 4, 8), np.float32), ((5, 8), np.float16), ((0, 4), np.float32),
+                         ((3, 7), np.float32)]:
+        made, desc = arrays.empty(shape, dtype, like)
+        read = arrays.view(made)
+        assert desc.owner is made and made.dtype == getattr(torch, np.dtype(dtype).name)
+        assert (desc.ptr, desc.shape, desc.strides, desc.dtype, desc.stream) == (
+            read.ptr, read.shape, read.strides, read.dtype, read.stream)
+    index = like.get_device()
+    for raw in (True, False):
+        if not raw:
+            monkeypatch.delattr(torch._C, "_cuda_getCurrentRawStream", raising=False)
+        assert arrays.torch_stream(index) == torch.cuda.current_stream().cuda_stream
+        with torch.cuda.stream(side):
+            assert arrays.torch_stream(index) == side.cuda_stream
+
+
 @pytest.mark.skipif(SIMULATED, reason="the tensor-core kernel runs on a real GPU only")
 @pytest.mark.parametrize("d", [64, 128])
 def test_tensor_core_kernel_nan_propagates(d):
