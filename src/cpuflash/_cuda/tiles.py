@@ -140,7 +140,7 @@ def block_lines(n, rows, heads, head_bytes, head, first, latest_first=False):
     sequences), all heads form one group and the blocks go longest first, which balances a
     causal launch of few waves. Measured on the H200, float32, B=4, H=16 (log
     bench/results/h200_block_order_stop23.txt): one row block after another for all heads
-    (stop 22's order) let N = 16384, D = 128 read its K/V from DRAM, 3-5 % slower than head
+    (stop 22's order) let N = 16384, D = 128 read its K/V from DRAM, 2-5 % slower than head
     by head; head by head alone cost causal N = 1024 10-20 %, whose blocks then ran in two
     waves without the longest first."""
     within = "rank" if not latest_first else "(n_blocks - 1 - rank)"
