@@ -28,6 +28,9 @@ def run(script, *args):
     ("cuda_ab.py", ["PV_GROUP", "a,b"], "argument values: expected comma-separated integers"),
     ("cuda_ab.py", ["PV_GROUP", "1,2", "--calls", "0"], "--calls must be at least 1"),
     ("cuda_ab.py", ["PV_GROUP", "1,2", "--n", "0"], "argument --n: must be at least 1"),
+    ("cpu_block_ab.py", ["--rows", "64,-1"], "argument --rows: must be at least 0"),
+    ("cpu_block_ab.py", ["--shapes", "512x"], "argument --shapes: expected NxD"),
+    ("cpu_block_ab.py", ["--rounds", "0"], "--rounds must be at least 1"),
 ])
 def test_bad_arguments(script, args, words):
     done = run(script, *args)

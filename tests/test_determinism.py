@@ -52,6 +52,23 @@ def test_dynamic_schedule_keeps_the_bits_and_the_callers_chunk_size(monkeypatch)
         assert np.array_equal(a, b)
 
 
+@pytest.mark.parametrize("opts", [{}, {"causal": True}, {"window": (40, 3), "softcap": 5.0},
+                                  {"dropout_p": 0.2, "seed": 3}], ids=str)
+def test_query_block_size_keeps_the_bits(opts, monkeypatch):
+    """``config.block_q`` picks 64- or 128-row query blocks (by N, the head dim and the task
+    count): a row's arithmetic is the same in either, so are its bits (GQA, a tail block)."""
+    from cpuflash import config
+    q, k, v = rands((1, 4, 300, 64), (1, 2, 320, 64), (1, 2, 320, 64))
+    chosen = config.block_q
+    results = []
+    for rows in (config.BLOCK_Q, 2 * config.BLOCK_Q):
+        monkeypatch.setattr(config, "block_q", lambda *args, rows=rows: rows)
+        results.append(cpuflash.attention(q, k, v, return_lse=True, **opts))
+    monkeypatch.setattr(config, "block_q", chosen)
+    for out, lse in results[1:]:
+        assert np.array_equal(out, results[0][0]) and np.array_equal(lse, results[0][1])
+
+
 def _run(code, **env):
     full_env = dict(os.environ, **env)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
