@@ -10,19 +10,14 @@ bits. Not collected by pytest.
 ``--rows``: 0 is ``config.block_q``'s own choice. B=1, float32, the threads Numba has.
 """
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
-
-def int_list(text, at_least=0):
-    try:
-        values = [int(x) for x in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
-    if min(values) < at_least:
-        raise argparse.ArgumentTypeError(f"must be at least {at_least}, got {text!r}")
-    return values
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from arg_types import int_list  # noqa: E402  (after its folder is on the path)
 
 
 def shape_list(text):
@@ -37,7 +32,7 @@ def shape_list(text):
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rows", type=int_list, default=[0, 64, 128],
+    p.add_argument("--rows", type=lambda t: int_list(t, at_least=0), default=[0, 64, 128],
                    help="query rows per block to compare (0: config.block_q's choice)")
     p.add_argument("--shapes", type=shape_list, default=[(512, 128), (512, 64)])
     p.add_argument("--h", type=int, default=8)

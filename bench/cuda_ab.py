@@ -12,17 +12,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-
-def int_list(text, at_least=1):
-    """``"1,2,4"`` as ints, each at least ``at_least`` (for argparse)."""
-    try:
-        values = [int(x) for x in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
-    if min(values) < at_least:
-        raise argparse.ArgumentTypeError(f"must be at least {at_least}, got {text!r}")
-    return values
+from arg_types import int_list  # noqa: E402  (after its folder is on the path)
 
 
 def parse(argv=None):
