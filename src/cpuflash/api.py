@@ -1,4 +1,6 @@
 """The public calls: validate, apply defaults, dispatch to the kernels."""
+import functools
+
 import numpy as np
 import numba
 
@@ -57,8 +59,7 @@ def attention(q, k, v, *, causal=False, scale=None, mask=None, window=None, kv_l
     """
     return_lse = _checks.flag("return_lse", return_lse)
     if _on_cuda(q, device):
-        from ._cuda import dispatch
-        return dispatch.attention(q, k, v, causal=causal, scale=scale, mask=mask,
+        return _cuda_dispatch().attention(q, k, v, causal=causal, scale=scale, mask=mask,
                                   window=window, kv_lens=kv_lens, alibi_slopes=alibi_slopes,
                                   softcap=softcap, dropout_p=dropout_p, seed=seed,
                                   return_lse=return_lse, out=out, device=device,
@@ -86,6 +87,15 @@ def attention(q, k, v, *, causal=False, scale=None, mask=None, window=None, kv_l
     if return_lse:
         return result, lse.reshape(q.shape[:-1])
     return result
+
+
+@functools.cache
+def _cuda_dispatch():
+    """The CUDA path's module, imported on the first GPU call (it imports numba-cuda, which a
+    CPU-only install lacks: ImportError with the install hint, raised again on each try), then
+    kept (an import statement per call costs microseconds)."""
+    from ._cuda import dispatch
+    return dispatch
 
 
 def _on_cuda(q, device):
@@ -168,8 +178,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, mas
     GPU arrays (or ``device="cuda"``) run on the GPU, as in ``attention``.
     """
     if _on_cuda(q, device):
-        from ._cuda import dispatch
-        return dispatch.attention_backward(
+        return _cuda_dispatch().attention_backward(
             dout, q, k, v, out, lse, causal=causal, scale=scale, mask=mask, window=window,
             kv_lens=kv_lens, alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p,
             seed=seed, device=device)

@@ -10,6 +10,8 @@ import numpy as np
 
 from .. import _checks, masks
 from . import arrays
+from .backward import run_backward
+from .forward import run_forward
 from .runtime import load, require_device
 from .tiles import MAX_HEAD_DIM
 
@@ -61,6 +63,8 @@ def _inputs(named, device):
 
 def _upload(views):
     """Numpy inputs (``device="cuda"``) copied to the GPU, as ``GpuArray``s."""
+    if not any(isinstance(x, np.ndarray) for x in views.values()):
+        return views  # GPU inputs: a GPU is there (numba's check costs microseconds a call)
     cuda = require_device()
     return {n: x if not isinstance(x, np.ndarray)
             else arrays.view(cuda.to_device(np.ascontiguousarray(x))) for n, x in views.items()}
@@ -129,7 +133,6 @@ class _Shape:
 
 def attention(q, k, v, *, causal, scale, mask, window, kv_lens, alibi_slopes, softcap,
               dropout_p, seed, return_lse, out, device, k_scale=None, v_scale=None):
-    from .forward import run_forward
     named = {"q": q, "k": k, "v": v}
     named.update({n: x for n, x in (("k_scale", k_scale), ("v_scale", v_scale))
                   if x is not None})
@@ -179,7 +182,6 @@ def _matches(name, x, shape, dtype):
 
 def attention_backward(dout, q, k, v, out, lse, *, causal, scale, mask, window, kv_lens,
                        alibi_slopes, softcap, dropout_p, seed, device):
-    from .backward import run_backward
     views, kind = _inputs(_with_mask({"q": q, "k": k, "v": v, "dout": dout, "out": out,
                                       "lse": lse}, mask), device)
     dv, scale, band, mods, drop, _ = _options(views["q"], views["k"], views["v"], causal,

@@ -230,12 +230,19 @@ def tensor_cores(q, k, v):
     simulator, nor with ``CPUFLASH_CUDA_MMA=0``."""
     if simulated() or os.environ.get("CPUFLASH_CUDA_MMA", "") == "0":
         return None
-    from . import forward_f16, forward_mma
     cc = device_capability()
-    for module in (forward_mma, forward_f16):
+    for module in _tensor_core_modules():
         if module.usable(q, k, v, cc):
             return module
     return None
+
+
+@functools.cache
+def _tensor_core_modules():
+    """``forward_mma``, ``forward_f16``: imported on a real GPU only (their intrinsics are PTX),
+    once (an import statement per call costs microseconds)."""
+    from . import forward_f16, forward_mma
+    return forward_mma, forward_f16
 
 
 @functools.cache

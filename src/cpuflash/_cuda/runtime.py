@@ -57,7 +57,7 @@ def context_handle():
     call on the H200 machine's host, three times per attention call before this."""
     if simulated():
         return 0
-    from cuda.bindings import driver
+    driver = _driver()
     err, ctx = driver.cuCtxGetCurrent()
     handle = int(ctx) if err == driver.CUresult.CUDA_SUCCESS else 0
     if handle == 0:
@@ -65,6 +65,12 @@ def context_handle():
         err, ctx = driver.cuCtxGetCurrent()
         handle = int(ctx)
     return handle
+
+
+@functools.cache
+def _driver():
+    from cuda.bindings import driver
+    return driver
 
 
 _capabilities = {}

@@ -22,6 +22,7 @@ import numpy as np
 from numba import float32
 
 from .arrays import uploaded
+from .dropout import SOURCE_STAMP, keep_scale, row_mix, seed_mix
 from .runtime import load, simulated
 
 cuda = load()
@@ -403,7 +404,6 @@ def extra_args(mask, drop):
     ``args = (mask, seed_mix, drop_below, inv_keep)``, the ``Miif`` of the patterns below:
     without a mask, a 1-element uint8 array that no line reads. ``mask``: a 4-D ``GpuArray``
     (each axis 1 or full) or None; ``drop``: ``masks.dropout``'s ``(drop_below, seed)``."""
-    from .dropout import seed_mix
     if mask is None:
         kind, mask = None, uploaded(_NO_MASK)
     else:
@@ -423,7 +423,6 @@ def extra_names():
     ``grad_lines``) and of the block order (``block_lines``) read in a generated kernel;
     ``DROPOUT_STAMP`` puts the hash's source among the kernel's constants
     (``dropout.SOURCE_STAMP``)."""
-    from .dropout import SOURCE_STAMP, keep_scale, row_mix
     return {"LOG2_E": LOG2_E, "NEG_INF": NEG_INF, "row_mix": row_mix,
             "keep_scale": keep_scale, "DROPOUT_STAMP": SOURCE_STAMP, "L2_SHARE": L2_SHARE}
 
