@@ -636,10 +636,11 @@ def fresh_kernels():
     clear()
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES[:1] if SIMULATED else SHAPES, ids=str)
 def test_one_head_at_a_time(shape, fresh_kernels, monkeypatch):
     """With an L2 share too small for one head, the blocks go head by head (several groups,
-    the last one short); forward and backward still match the reference (causal, GQA)."""
+    the last one short); forward and backward still match the reference (causal, GQA). One
+    shape in the simulator (26 s a shape there)."""
     from cpuflash._cuda import tiles
     monkeypatch.setattr(tiles, "L2_SHARE", 1)
     q, k, v = qkv(shape)
