@@ -50,8 +50,14 @@ def _opts(opt, shape):
     return opt
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
-@pytest.mark.parametrize("opt", OPTIONS, ids=str)
+# The simulator (CI) takes every option on the first shape, and on the second (B > 1, odd head
+# dims, Nk < Nq) those that move the band; the score modifiers' arithmetic does not depend on
+# the shape, and each case costs 9-14 s there. A GPU takes the whole grid.
+FORWARD_CASES = [(shape, opt) for shape in SHAPES for opt in OPTIONS
+                 if not SIMULATED or shape == SHAPES[0] or opt in OPTIONS[:3] + OPTIONS[6:7]]
+
+
+@pytest.mark.parametrize("shape, opt", FORWARD_CASES, ids=str)
 def test_forward(shape, opt):
     opts = _opts(opt, shape)
     q, k, v = qkv(shape)
