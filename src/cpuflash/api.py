@@ -59,11 +59,10 @@ def attention(q, k, v, *, causal=False, scale=None, mask=None, window=None, kv_l
     """
     return_lse = _checks.flag("return_lse", return_lse)
     if _on_cuda(q, device):
-        return _cuda_dispatch().attention(q, k, v, causal=causal, scale=scale, mask=mask,
-                                  window=window, kv_lens=kv_lens, alibi_slopes=alibi_slopes,
-                                  softcap=softcap, dropout_p=dropout_p, seed=seed,
-                                  return_lse=return_lse, out=out, device=device,
-                                  k_scale=k_scale, v_scale=v_scale)
+        return _cuda_dispatch().attention(
+            q, k, v, causal=causal, scale=scale, mask=mask, window=window, kv_lens=kv_lens,
+            alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p, seed=seed,
+            return_lse=return_lse, out=out, device=device, k_scale=k_scale, v_scale=v_scale)
     call = _prepare(q, k, v, causal, scale, mask, window, kv_lens, alibi_slopes, softcap,
                     dropout_p, seed, k_scale, v_scale)
     out_shape = q.shape[:-1] + (call.dv,)

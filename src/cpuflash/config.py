@@ -62,9 +62,10 @@ def block_q(n_q, head_dim, n_tasks_per_block, threads):
     """Query rows per block: twice ``BLOCK_Q`` for heads up to 128 wide when there are still at
     least four tasks per thread and, below 1024 rows, no more padding rows than with
     ``BLOCK_Q``, so each K/V tile read from L2/L3 serves more rows (measured at N=8192 causal:
-    +5 %; at D=128, N=2048: +1 %; stop 23, side by side in one process, B=1, 2 threads, H=8
-    and H=2, N=256-512, D=64 and 128, causal and not: +1-6 % (``scratch`` A/B, README). The
-    rows computed per query do not change with the block, so neither do the bits."""
+    +5 %; at D=128, N=2048: +1 %; stop 23, side by side with torch in one process, B=1, 2
+    threads, H=8 and H=2, N=256-512, D=64 and 128, causal and not: +2-8 %, by
+    ``bench/cpu_block_ab.py``, log ``bench/results/cpu_block_q_stop23.txt``). The rows computed
+    per query do not change with the block, so neither do the bits."""
     big = 2 * BLOCK_Q
     enough_tasks = n_tasks_per_block * (-(-n_q // big)) >= 4 * threads
     no_more_padding = n_q >= 1024 or -(-n_q // big) * big == -(-n_q // BLOCK_Q) * BLOCK_Q
