@@ -7,7 +7,8 @@ bits. Not collected by pytest.
     python bench/cpu_block_ab.py [--rows 0,64,128] [--shapes 512x128,512x64] [--h 8]
                                  [--causal] [--rounds 12] [--calls 7]
 
-``--rows``: 0 is ``config.block_q``'s own choice. B=1, float32, the threads Numba has.
+``--rows``: 0 is ``config.block_q``'s own choice; others must be multiples of the host's
+micro-tile rows (``config.MICRO_ROWS``). B=1, float32, the threads Numba has.
 """
 import argparse
 import sys
@@ -43,6 +44,10 @@ def parse(argv=None):
     for name in ("h", "rounds", "calls"):
         if getattr(a, name) < 1:
             p.error(f"--{name} must be at least 1, got {getattr(a, name)}")
+    from cpuflash import config
+    if any(r % config.MICRO_ROWS for r in a.rows):  # the kernel steps its rows by micro-tiles
+        p.error(f"--rows: each must be 0 or a multiple of this host's micro-tile rows "
+                f"({config.MICRO_ROWS}), got {a.rows}")
     return a
 
 
