@@ -92,22 +92,31 @@ def modifiers(softcap, alibi_slopes, n_b, n_hq):
 
 class UserMask:
     """A caller's bool or float ``mask``, broadcastable to (B, Hq, Nq, Nk), as the kernels take
-    it: ``view`` (B, Hq, Nq, Nk) by stride-0 broadcasting (never a dense copy; a bool mask as
-    uint8 0/1), ``is_bool``,
-    and ``tile_states(block_q, block_k)``. With no mask: a 1-element all-True view, ``None``
-    states (every tile CLEAR)."""
+    it: ``bools`` and ``adds``, (B, Hq, Nq, Nk) views by stride-0 broadcasting (never a dense
+    copy): a bool mask as its uint8 bytes (0/1) in ``bools``, a float mask in the compute
+    dtype in ``adds``, the other a 1-element stand-in; ``is_bool`` says which one holds it;
+    and ``tile_states(block_q, block_k)``. With no mask: a 1-element all-True ``bools``,
+    ``None`` states (every tile CLEAR). Two arrays of fixed dtypes, so that the kernels are
+    compiled once for either kind of mask (``_cpu/_jit.Kernel``)."""
 
     def __init__(self, mask, n_b, n_hq, n_q, n_k, compute_dtype):
         self.shape = (n_b, n_hq, n_q, n_k)
         self.given = mask is not None
+        self.adds = _no_adds(self.shape, np.dtype(compute_dtype))
         if not self.given:  # the same read-only views for every call of a shape
-            self.raw, self.is_bool, self.view = _NO_MASK, True, _no_mask_view(self.shape)
+            self.raw, self.is_bool, self.bools = _NO_MASK, True, _no_mask_view(self.shape)
             return
         self.raw = _mask_4d(mask, self.shape, compute_dtype)
         self.is_bool = self.raw.dtype == np.bool_
-        # bool as its bytes (0/1): the kernels load a row of them as one vector
-        raw = self.raw.view(np.uint8) if self.is_bool else self.raw
-        self.view = np.broadcast_to(raw, self.shape)
+        if self.is_bool:  # as its bytes (0/1): the kernels load a row of them as one vector
+            self.bools = np.broadcast_to(self.raw.view(np.uint8), self.shape)
+        else:
+            self.bools = _no_mask_view(self.shape)
+            self.adds = np.broadcast_to(self.raw, self.shape)
+
+    def kernel_args(self):
+        """``(bools, adds, is_bool)``, the kernels' mask arguments."""
+        return self.bools, self.adds, self.is_bool
 
     def tile_states(self, block_q, block_k):
         """int8 (B, Hq, n_qb, n_kb) view: HIDDEN, MIXED or CLEAR for each tile."""
@@ -137,6 +146,11 @@ def _no_mask_view(shape):
     return np.broadcast_to(_NO_MASK.view(np.uint8), shape)
 
 
+@functools.lru_cache(maxsize=64)
+def _no_adds(shape, dtype):
+    return np.broadcast_to(np.zeros((1, 1, 1, 1), dtype=dtype), shape)
+
+
 # (Shared between calls and only ever read; left writeable, as the arrays a caller's kv_lens
 # and alibi_slopes become, so that the kernels see one array type: a read-only one would be
 # a second compilation of each.)
@@ -162,8 +176,10 @@ def _mask_4d(mask, shape, compute_dtype):
     if mask.dtype != np.bool_ and mask.dtype.kind != "f":
         raise TypeError(f"mask: expected a bool or float array, got {mask.dtype}")
     m4 = mask.reshape(broadcast_shape(mask.shape, shape))
-    if m4.dtype.kind == "f" and m4.dtype not in (np.float32, np.float64):
-        m4 = m4.astype(compute_dtype)  # float16: one copy at the mask's own size
+    if m4.dtype.kind == "f" and m4.dtype != compute_dtype:
+        # One copy at the mask's own size (float16, or float64 with float32 inputs; torch
+        # asks for the query's dtype), so that the kernels take one float mask type.
+        m4 = m4.astype(compute_dtype)
     return m4
 
 

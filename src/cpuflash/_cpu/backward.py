@@ -41,14 +41,16 @@ LOG2_E = 1.0 / LN2
 TASKS_WANTED = 4  # key chunks per (batch, kv head) are added until there are this many tasks
 
 
-@kernel
+@kernel(strided=("mask_bools", "mask_adds", "tile_state"), read_only=("kv_lens", "slopes2"))
 def backward(qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad,
-             left, right, kv_lens, softcap2, slopes2, mask, mask_is_bool, tile_state,
+             left, right, kv_lens, softcap2, slopes2, mask_bools, mask_adds, mask_is_bool,
+             tile_state,
              drop_below, seed, chunk_starts, portable, dq_part, dk, dv, scale, dq):
     """qp: (B, Hq, n_qb * block_q, d_pad) Q times ``scale * log2(e)``, zero-padded, contiguous.
     dout: (B, Hq, Nq, Dv), contiguous. left, right, kv_lens: the band (masking.py).
     softcap2, slopes2 (B, Hq): score modifiers in base-2 units, 0 for off (scores.py).
-    mask, mask_is_bool, tile_state: the caller's mask and its tile table (masks.UserMask).
+    mask_bools, mask_adds, mask_is_bool, tile_state: the caller's mask and its tile table
+    (masks.UserMask).
     drop_below, seed: dropout (dropout.py), the forward's; ``drop_below = 0`` for none.
     lse2 + lse2_lo: (B, Hq, Nq) lse in base 2 as a sum of two floats, ``+inf`` for rows that
     see no key (so their P is 0). delta: (B, Hq, Nq).
@@ -76,7 +78,7 @@ def backward(qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad
     rows_q = qp.shape[2]
     modify = softcap2 != 0.0 or np.any(slopes2 != 0.0)
     ld_s = block_k + simd.lanes_of(dk)  # score rows a vector longer: see forward.py
-    n_k_all = mask.shape[3]
+    n_k_all = mask_bools.shape[3]
     n_k_arr = dk.shape[2]
     inv_keep = 2.0**32 / (2.0**32 - drop_below)  # 1 / (1 - p)
     for task in prange(n_b * n_hkv * n_chunks):
@@ -155,8 +157,9 @@ def backward(qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad
                             modify_row(s, r * ld_s, block_k, q0 + r + n_k - n_q, k0,
                                        softcap2, slopes2[b, h], t_cap, portable)
                     if state == MIXED:
-                        apply_user_mask(s, 0, ld_s, rows, mask, mask_is_bool, b, h, q0, k0,
-                                        min(block_k, n_k_all - k0), LOG2_E, max_unused)
+                        apply_user_mask(s, 0, ld_s, rows, mask_bools, mask_adds, mask_is_bool,
+                                        b, h, q0, k0, min(block_k, n_k_all - k0), LOG2_E,
+                                        max_unused)
                     if tile_needs_mask(q0, q0 + rows, k0, block_k, n_q, n_k, left, right):
                         mask_tile(s, ld_s, rows, q0, k0, block_k, n_q, n_k, left, right,
                                   -np.inf)
@@ -214,7 +217,7 @@ def backward(qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad
                         dq[b, h, i, dd] = dq_flat[row + dd] * scale
 
 
-@kernel
+@kernel(strided=("dout", "out", "lse", "q"))
 def row_terms(dout, out, lse, q, factor, lse2, lse2_lo, delta, qp):
     """The per-row terms of the backward pass, (B, H, Nq) each, one pass over ``dout``/``out``,
     and Q in base-2 units: ``qp[b, h, i, :D] = q[b, h, i, :] * factor`` (the product in
@@ -359,7 +362,7 @@ def run_backward(dout, q, k, v, out, lse, scale, band, mods, user_mask, drop, po
     row_terms(dout, out, lse, q, scale * LOG2_E, lse2, lse2_lo, delta, qp)
     dout = np.ascontiguousarray(dout)  # one compiled kernel per dtype
     run_dynamic(backward, qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad,
-                left, right, kv_lens, softcap2, slopes2, user_mask.view, user_mask.is_bool,
+                left, right, kv_lens, softcap2, slopes2, *user_mask.kernel_args(),
                 user_mask.tile_states(block_q, block_k), drop[0], drop[1], starts, portable,
                 dq_part, dk, dv, scale, dq)
     if n_chunks > 1:  # else the kernel wrote dQ; here the partials are summed in chunk order

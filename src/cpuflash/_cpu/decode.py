@@ -228,11 +228,11 @@ def combine_row(m_part, l_part, acc_part, out, lse, b, h, i):
     lse[b, h, i] = (m + np.log2(total)) * LN2
 
 
-@kernel
+@kernel(strided=("q", "mask_bools", "mask_adds"), read_only=("kv_lens", "slopes2"))
 def decode(q, kf, k_strides, k_storage, prefetch, vf, v_strides, k_scale, ks_strides, v_scale,
            vs_strides, n_hkv, n_k, d, dv, n_splits, scale2, left, right, kv_lens, softcap2,
-           slopes2, mask, mask_given, mask_is_bool, drop_below, seed, m_part, l_part, acc_part,
-           out, lse, serial_merge):
+           slopes2, mask_bools, mask_adds, mask_is_bool, mask_given, drop_below, seed, m_part,
+           l_part, acc_part, out, lse, serial_merge):
     """q: (B, Hq, Nq, D) any strides, compute dtype. kf, vf: 1-D views from the first element
     of K and V in their storage type (the compute dtype, float16 bits as uint16, or int8);
     element (b, h, j, c) is at ``b*s0 + h*s1 + j*s2 + c*s3`` with ``k_strides = (s0, s1, s2,
@@ -318,8 +318,9 @@ def decode(q, kf, k_strides, k_storage, prefetch, vf, v_strides, k_scale, ks_str
                         modify_row(s, row, CHUNK, i + kv_len - n_q, c0, softcap2,
                                    slopes2[b, h], no_t, False)
                     if mask_given:
-                        apply_user_mask(s, row, ld_s, 1, mask, mask_is_bool, b, h, i, c0, n_c,
-                                        LOG2_E, l_tile)  # its row max unused: l_tile is scratch
+                        # (its row max unused: l_tile is scratch)
+                        apply_user_mask(s, row, ld_s, 1, mask_bools, mask_adds, mask_is_bool, b,
+                                        h, i, c0, n_c, LOG2_E, l_tile)
                     # Masked after the modifiers, as the tiled kernel; a chunk inside the row's
                     # band (the common case) needs only its tail past n_c.
                     if first_r[r] <= c0 and c0 + n_c - 1 <= last_r[r]:
@@ -376,7 +377,7 @@ def decode(q, kf, k_strides, k_storage, prefetch, vf, v_strides, k_scale, ks_str
             combine_row(m_part, l_part, acc_part, out, lse, b, h, i)
 
 
-@helper
+@kernel(strided=("x",), parallel=False)
 def _span_view(x):
     """A 1-D view from the first element of the 4-D ``x`` over all of it, and its strides in
     elements (non-negative whole elements: checked by the caller). Made here rather than by
@@ -461,7 +462,7 @@ def run_decode(q, k, v, scale, band, mods, user_mask, drop, out=None, kv_scales=
     prefetch = PREFETCH_CACHES and (k.dtype != dtype or v.dtype != dtype)  # see AHEAD
     decode(q, k_view[0], k_view[1], k.dtype != dtype, prefetch, v_view[0], v_view[1], k_scale,
            ks_strides, v_scale, vs_strides, n_hkv, n_k, d, dv, n_splits, scale * LOG2_E, left,
-           right, kv_lens, softcap2, slopes2, user_mask.view, user_mask.given,
-           user_mask.is_bool, drop[0], drop[1], m_part, l_part, acc_part, out, lse,
+           right, kv_lens, softcap2, slopes2, *user_mask.kernel_args(), user_mask.given,
+           drop[0], drop[1], m_part, l_part, acc_part, out, lse,
            acc_part.size <= SERIAL_COMBINE)
     return out, lse

@@ -55,16 +55,18 @@ def balanced_order(j, n):
     return j // 2 if j % 2 == 0 else n - 1 - j // 2
 
 
-@kernel
-def forward(q, kt, vt, block_q, scale2, left, right, kv_lens, softcap2, slopes2, mask,
-            mask_is_bool, tile_state, drop_below, seed, portable, out, lse):
+@kernel(strided=("q", "mask_bools", "mask_adds", "tile_state"),
+        read_only=("kv_lens", "slopes2"))
+def forward(q, kt, vt, block_q, scale2, left, right, kv_lens, softcap2, slopes2, mask_bools,
+            mask_adds, mask_is_bool, tile_state, drop_below, seed, portable, out, lse):
     """Attention forward on packed K/V.
 
     q: (B, Hq, Nq, D) any strides, float32/float64. kt, vt: from ``pack.packed_kv``.
     block_q: a multiple of the micro-tile rows. scale2: ``scale * log2(e)``.
     left, right, kv_lens: the band of keys each row sees (masking.py); kv_lens: (B,) int64.
     softcap2, slopes2 (B, Hq): the score modifiers in base-2 units, 0 for off (scores.py).
-    mask, mask_is_bool, tile_state: the caller's mask and its tile table (masks.UserMask).
+    mask_bools, mask_adds, mask_is_bool, tile_state: the caller's mask and its tile table
+    (masks.UserMask).
     drop_below, seed: dropout (dropout.py); ``drop_below = 0`` for none.
     out: (B, Hq, Nq, Dv) contiguous. lse: (B, Hq, Nq), natural log.
     """
@@ -85,7 +87,7 @@ def forward(q, kt, vt, block_q, scale2, left, right, kv_lens, softcap2, slopes2,
     ld_s = block_k + simd.lanes_of(out)
     modify = softcap2 != 0.0 or np.any(slopes2 != 0.0)
     no_t = np.empty(0, dtype=out.dtype)
-    n_k_all = mask.shape[3]
+    n_k_all = mask_bools.shape[3]
     inv_keep = 2.0**32 / (2.0**32 - drop_below)  # 1 / (1 - p)
     for task in prange(n_b * n_hq * n_qb):
         b, h, qb = unravel(task, n_hq, n_qb)
@@ -126,8 +128,8 @@ def forward(q, kt, vt, block_q, scale2, left, right, kv_lens, softcap2, slopes2,
                                slopes2[b, h], no_t, portable)
             if state == MIXED:
                 n_cols = min(block_k, n_k_all - k0)
-                apply_user_mask(s, 0, ld_s, rows, mask, mask_is_bool, b, h, q0, k0, n_cols,
-                                LOG2_E, tile_max)
+                apply_user_mask(s, 0, ld_s, rows, mask_bools, mask_adds, mask_is_bool, b, h,
+                                q0, k0, n_cols, LOG2_E, tile_max)
                 max_given = n_cols == block_k
                 if max_given:  # padding rows: their scores are 0 (Q zero-padded), or NaN
                     for r in range(rows, block_q):
@@ -197,6 +199,6 @@ def run_forward(q, k, v, scale, band, mods, user_mask, drop, portable, out=None,
     kt, vt = packed_kv(k, v, block_k, config.lanes(q.dtype), config.panel_width(q.dtype))
     block_q = config.block_q(n_q, d, n_b * n_hq, numba.get_num_threads())
     run_dynamic(forward, q, kt, vt, block_q, scale * LOG2_E, left, right, kv_lens, softcap2,
-                slopes2, user_mask.view, user_mask.is_bool,
+                slopes2, *user_mask.kernel_args(),
                 user_mask.tile_states(block_q, block_k), drop[0], drop[1], portable, out, lse)
     return out, lse

@@ -69,7 +69,19 @@ def mask_tile(s, ld, rows, q0, k0, block_k, n_q, kv_len, left, right, masked):
 
 
 @helper
-def apply_user_mask(s, off, ld, rows, mask, is_bool, b, h, q0, k0, n_cols, log2e, row_max):
+def apply_user_mask(s, off, ld, rows, bools, adds, is_bool, b, h, q0, k0, n_cols, log2e,
+                    row_max):
+    """The caller's mask (``masks.UserMask.kernel_args``: ``bools`` if ``is_bool``, else
+    ``adds``) on rows ``q0 + r`` (``r < rows``, scores at ``s[off + r*ld + j]``), key columns
+    ``k0 .. k0 + n_cols``, and the rows' maxima (``mask_rows``)."""
+    if is_bool:
+        mask_rows(s, off, ld, rows, bools, True, b, h, q0, k0, n_cols, log2e, row_max)
+    else:
+        mask_rows(s, off, ld, rows, adds, False, b, h, q0, k0, n_cols, log2e, row_max)
+
+
+@helper
+def mask_rows(s, off, ld, rows, mask, is_bool, b, h, q0, k0, n_cols, log2e, row_max):
     """The caller's mask on rows ``q0 + r`` (``r < rows``, scores at ``s[off + r*ld + j]``), key
     columns ``k0 .. k0 + n_cols``:
     bool (its bytes, 0/1): 0 sets ``-inf``; float: adds ``mask * log2(e)`` (base-2 units).
@@ -148,7 +160,7 @@ def row_not_clear_not_hidden(row, is_bool, like, lowest):
     return not_clear, not_hidden
 
 
-@kernel
+@kernel(strided=("mask",))
 def tile_state_table(mask, is_bool, like, lowest, block_q, block_k, n_kb, states):
     """``states[b, h, qb, kb]`` of the caller's mask in one parallel pass over it: CLEAR if every
     entry of the tile is the "attend, add nothing" value, HIDDEN if every entry is the "never

@@ -25,7 +25,7 @@ from ._jit import helper, kernel
 from .tasks import unravel
 
 
-@kernel
+@kernel(strided=("k",))
 def pack_keys_transposed(k, block_k, w, kt):
     """``k``: (B, H, Nk, D) any strides. ``kt``: (B*H, n_blocks, D * block_k) contiguous: each
     key tile transposed to (D, block_k), in column panels of width ``w``."""
@@ -107,7 +107,7 @@ def values_task(vf, n_k, dv, block_k, n_blocks, w, zero_nonfinite, vtf, task):
                 simd.vstore(vtf, dst + cc, x)
 
 
-@kernel
+@kernel(read_only=("k", "v"))
 def pack_tiles(k, v, block_k, w, kt, vtt, kn, vn):
     """The packed copies of C-contiguous K and V that a call needs, in one parallel region
     (each region costs the threads a wake-up and a join: 25-70 us with
@@ -135,7 +135,7 @@ def pack_tiles(k, v, block_k, w, kt, vtt, kn, vn):
             values_task(vf, n_k, dv, block_k, n_blocks, w, False, vnf, task - end_kn)
 
 
-@kernel
+@kernel(strided=("v",))
 def pack_values(v, block_k, dv_pad, w, zero_nonfinite, vt):
     """``v``: (B, H, Nk, Dv) any strides. ``vt``: (B*H, n_blocks, block_k * dv_pad) contiguous:
     each value tile (block_k, dv_pad), zero-padded, in column panels of width ``w``.

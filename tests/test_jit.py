@@ -1,0 +1,67 @@
+"""The kernels compile once per dtype combination (``_cpu/_jit.Kernel``), not per array layout,
+flag or mask kind, and give the same results whatever layout they are called with."""
+import numba
+import numpy as np
+import pytest
+from numba.core import types
+
+import cpuflash
+from cpuflash import reference
+from cpuflash._cpu import _jit, backward, decode, forward
+from conftest import assert_close_to_reference, rands
+
+
+def _specializations():
+    return {name: len(k.dispatcher.overloads) for name, k in
+            (("forward", forward.forward), ("backward", backward.backward),
+             ("decode", decode.decode))}
+
+
+def test_layouts_flags_and_masks_share_one_compilation():
+    q, k, v, dout = rands((1, 2, 40, 16), (1, 2, 56, 16), (1, 2, 56, 16), (1, 2, 40, 16))
+    masks = {"bool": rands((40, 56), seed=7)[0] > -0.5,
+             "float32": rands((2, 40, 1), seed=8)[0],
+             "float64": rands((40, 56), dtype=np.float64, seed=9)[0]}
+    # every kernel compiled (or loaded) once for float32, with C-contiguous inputs, no mask
+    out, lse = cpuflash.attention(q, k, v, return_lse=True)
+    cpuflash.attention_backward(dout, q, k, v, out, lse)
+    decoded = cpuflash.attention(q[:, :, :2], k, v)  # the decode path
+    before = _specializations()
+
+    strided_q = np.ascontiguousarray(q.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+    read_only = q.copy()
+    read_only.flags.writeable = False
+    for q_in in (strided_q, read_only):
+        assert np.array_equal(cpuflash.attention(q_in, k, v), out)
+        assert np.array_equal(cpuflash.attention(q_in[:, :, :2], k, v), decoded)
+    for name, mask in masks.items():
+        got, got_lse = cpuflash.attention(q, k, v, mask=mask, return_lse=True)
+        assert_close_to_reference(got, reference.attention(q, k, v, mask=mask), q, k, v)
+        grads = cpuflash.attention_backward(dout, q, k, v, got, got_lse, mask=mask)
+        want = reference.attention_backward(dout, q, k, v, mask=mask)
+        for g, w in zip(grads, want):
+            np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5, err_msg=name)
+        rows = mask[..., :2, :] if mask.shape[-2] > 1 else mask
+        assert_close_to_reference(cpuflash.attention(q[:, :, :2], k, v, mask=rows),
+                                  reference.attention(q[:, :, :2], k, v, mask=rows),
+                                  q[:, :, :2], k, v)
+    assert _specializations() == before
+
+
+def test_canonical_signature():
+    """Named arrays become read-only of any layout; integers int64, floats float64; other
+    arrays keep their exact type."""
+    def fn(a, b, n, x, flag):
+        return a[0] + b[0] + n + x + flag
+
+    kern = _jit.kernel(fn, strided=("a",), parallel=False)
+    a = np.arange(6.0)[::2]
+    b = np.arange(3.0)
+    sig = kern.canonical((a, b, np.uint64(2), np.float32(0.5), True))
+    assert sig == (types.Array(types.float64, 1, "A", readonly=True),
+                   numba.typeof(b), types.int64, types.float64, types.boolean)
+    assert kern(a, b, 2, 0.5, True) == 0.0 + 0.0 + 2 + 0.5 + 1
+    assert kern(np.arange(3.0), b, np.uint64(3), np.float32(1.5), False) == 4.5
+    assert len(kern.dispatcher.overloads) == 1  # the second call converted, not compiled
+    with pytest.raises(AssertionError, match="no arguments"):
+        _jit.kernel(fn, strided=("nope",), parallel=False)
