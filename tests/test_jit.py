@@ -63,5 +63,8 @@ def test_canonical_signature():
     assert kern(a, b, 2, 0.5, True) == 0.0 + 0.0 + 2 + 0.5 + 1
     assert kern(np.arange(3.0), b, np.uint64(3), np.float32(1.5), False) == 4.5
     assert len(kern.dispatcher.overloads) == 1  # the second call converted, not compiled
+    for x in (2.5, np.float32(2.0)):  # Numba would truncate it: refused
+        with pytest.raises(TypeError, match="argument 'n' is a float"):
+            kern(a, b, x, 0.5, True)
     with pytest.raises(AssertionError, match="no arguments"):
         _jit.kernel(fn, strided=("nope",), parallel=False)

@@ -151,9 +151,8 @@ def _no_adds(shape, dtype):
     return np.broadcast_to(np.zeros((1, 1, 1, 1), dtype=dtype), shape)
 
 
-# (Shared between calls and only ever read; left writeable, as the arrays a caller's kv_lens
-# and alibi_slopes become, so that the kernels see one array type: a read-only one would be
-# a second compilation of each.)
+# (Shared between calls and only ever read: the kernels take kv_lens and slopes as read-only
+# arrays, whatever their flags, since stop 24's _cpu/_jit.Kernel.)
 @functools.lru_cache(maxsize=64)
 def _all_keys(n_b, n_k):
     return np.full(n_b, n_k, dtype=np.int64)

@@ -18,6 +18,7 @@ import pathlib
 import warnings
 
 import numba
+import numpy as np
 from numba.core import types
 
 from .. import config
@@ -70,7 +71,9 @@ class Kernel:
     arguments to the specialization they match (a C array passes as one of any layout, a
     writeable one as read-only: safe conversions, no copy; a dispatch costs 0.36 us either
     way). Arrays of different dtypes never convert, so each dtype combination still gets its
-    own machine code."""
+    own machine code. With compilation off Numba would also convert a float to an integer
+    argument (truncating it), so a float where every specialization takes an integer raises
+    TypeError instead."""
 
     def __init__(self, dispatcher, strided=(), read_only=()):
         self.dispatcher = dispatcher
@@ -81,6 +84,8 @@ class Kernel:
         assert not unknown, f"{self.__name__}: no arguments {sorted(unknown)}"
         self._strided = {names.index(n) for n in strided}
         self._read_only = {names.index(n) for n in read_only} | self._strided
+        self._names = names
+        self._integers = ()  # positions where every specialization takes an integer
         # (numba's disable_compile() wants a signature first; its recompile() sets the flag)
         dispatcher._can_compile = False
 
@@ -101,7 +106,14 @@ class Kernel:
             sig.append(ty)
         return tuple(sig)
 
+    def _check_integers(self, args):
+        for i in self._integers:
+            if isinstance(args[i], (float, np.floating)):
+                raise TypeError(f"{self.__name__}: argument {self._names[i]!r} is a float, "
+                                "where the kernel takes an integer")
+
     def __call__(self, *args):
+        self._check_integers(args)
         try:
             return self.dispatcher(*args)
         except TypeError as exc:
@@ -112,6 +124,10 @@ class Kernel:
             self.dispatcher.compile(self.canonical(args))  # or loaded from the cache
         finally:
             self.dispatcher._can_compile = False
+        sigs = self.dispatcher.signatures
+        self._integers = tuple(i for i in range(len(args))
+                               if all(isinstance(sig[i], types.Integer) for sig in sigs))
+        self._check_integers(args)
         return self.dispatcher(*args)
 
 
