@@ -357,7 +357,10 @@ def make_forward(d_pad, dv_pad, mods, mask=None, dropout=False):
     LDQ, LDK, LDV = DK + 8, DK + 8, DV + 4
     # Q's TF32 parts, split once for all key tiles: big at 0, small at QL_AT. (Split in every
     # tile as K and V are, stop 21: 2-3 % slower at D = 64 and 128, log
-    # bench/results/h200_q_presplit_stop22.txt.)
+    # bench/results/h200_q_presplit_stop22.txt. Both parts of a pair of dims side by side, one
+    # 16-byte load where two blocks take two 8-byte loads, stop 24: the same speed within 0.5 %,
+    # bench/results/h200_q_pairs_stop24.txt; two stages of K/V buffers with one barrier a tile,
+    # 12-17 % slower, bench/results/h200_two_stages_stop24.txt.)
     QL_AT = BM * LDQ
     K_AT, V_AT = 2 * QL_AT, 2 * QL_AT + BN * LDK  # multiples of 4: 16-byte aligned
     X_AT = V_AT + BN * LDV  # with SPLIT = 2: the warps' partial scores, [score][thread]
