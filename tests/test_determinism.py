@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import cpuflash
+from cpuflash import config
 from conftest import rands
 
 
@@ -96,3 +97,23 @@ def test_import_works_without_a_writable_cache(tmp_path):
             "import warnings; warnings.simplefilter('ignore')\n" + CALL.replace(";", "\n"))
     no_cache = _run(code).stdout
     assert no_cache == _run(CALL).stdout
+
+
+@pytest.mark.skipif(config.VECTOR_BYTES <= 16, reason="no narrower tile shapes to force here")
+def test_other_tile_shapes_keep_their_own_cache_files(tmp_path):
+    """A process with other tile shapes (``CPUFLASH_SIMD``) writes its own cache files
+    (``_jit.CONFIG_TAG`` in their names) and leaves this host's in place: Numba keeps one stamp
+    per index file, and a process with another stamp used to empty it."""
+    (tmp_path / "toy_kernel.py").write_text(
+        "from cpuflash._cpu._jit import kernel\n"
+        "@kernel(parallel=False)\n"
+        "def toy(x):\n"
+        "    return x + 1\n")
+    code = ("import toy_kernel; assert toy_kernel.toy(1) == 2; s = toy_kernel.toy.dispatcher.stats;"
+            "print(sum(s.cache_hits.values()), sum(s.cache_misses.values()))")
+    path = os.pathsep.join([str(tmp_path)] + sys.path)
+    narrower = "avx2" if config.VECTOR_BYTES > 32 else "128"
+    assert _run(code, PYTHONPATH=path).stdout.split() == ["0", "1"]  # compiled, saved
+    assert _run(code, PYTHONPATH=path, CPUFLASH_SIMD=narrower).stdout.split() == ["0", "1"]
+    assert _run(code, PYTHONPATH=path).stdout.split() == ["1", "0"]  # still this host's
+    assert len(list((tmp_path / "__pycache__").glob("toy_kernel.toy-*.nbi"))) == 2

@@ -9,6 +9,13 @@
   - Numba checks only the modification stamp of the file that defines a kernel, so a change in a
     helper module (``simd.py``, say) would leave a stale kernel in the cache. Every kernel here
     is stamped with a hash of all kernel sources, the tile configuration and Numba's version.
+  - Numba keeps one stamp per kernel's index file, and a process with another stamp empties
+    it: a process with other tile shapes (``CPUFLASH_SIMD``, another host sharing the cache
+    directory) threw away the host's kernels, and the next process compiled them all again
+    (measured after the test suite, whose AVX2-shapes test runs such a process: 22 s for the
+    first call of ``cpuflash bench`` in place of 0.44). The files' names now carry a hash of
+    the tile configuration (``CONFIG_TAG``): each configuration has its own, and a change of
+    the sources still overwrites them.
   - Where no cache location is writable, Numba raises at decoration time; we fall back to
     compiling in memory instead of breaking ``import cpuflash``.
 """
@@ -37,6 +44,7 @@ def _sources_stamp():
 
 
 SOURCES_STAMP = _sources_stamp()
+CONFIG_TAG = hashlib.sha256(repr(sorted(config.describe().items())).encode()).hexdigest()[:8]
 cache_fallbacks = []  # names of kernels compiled without a cache, for `cpuflash info`
 
 
@@ -53,8 +61,23 @@ def _jit(fn, **flags):
             cache_file = getattr(cache, "_cache_file", None)
             if cache_file is not None and hasattr(cache_file, "_source_stamp"):
                 cache_file._source_stamp = SOURCES_STAMP
+                _name_by_config(cache_file)
             return dispatcher
     return numba.njit(cache=False, **flags)(fn)
+
+
+def _name_by_config(cache_file):
+    """Numba's index and data file names of a kernel (``<base>.nbi``, ``<base>.<n>.nbc``) with
+    ``CONFIG_TAG`` in ``<base>``; left as they are where Numba names them otherwise."""
+    index = getattr(cache_file, "_index_name", None)
+    pattern = getattr(cache_file, "_data_name_pattern", None)
+    if not (isinstance(index, str) and index.endswith(".nbi") and isinstance(pattern, str)
+            and pattern.startswith(index[:-4])):
+        return
+    base = f"{index[:-4]}.{CONFIG_TAG}"
+    cache_file._index_name = f"{base}.nbi"
+    cache_file._index_path = str(pathlib.Path(cache_file._cache_path) / cache_file._index_name)
+    cache_file._data_name_pattern = base + pattern[len(index) - 4:]
 
 
 class Kernel:
