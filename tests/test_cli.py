@@ -1,5 +1,6 @@
 """The command line: `cpuflash bench` and `cpuflash info` on tiny shapes, and bad options."""
 import json
+import os
 import subprocess
 import sys
 
@@ -26,6 +27,11 @@ def test_info_json(capsys):
     cli.main(["info", "--json"])
     facts = json.loads(capsys.readouterr().out)
     assert facts["vector_bytes"] in (16, 32, 64) and facts["block_k"] > 0
+    from cpuflash._cpu import forward  # its cache files carry the configuration's tag
+    cache_file = forward.forward.dispatcher._cache._cache_file
+    assert f".{facts['cache_files_tag']}." in cache_file._index_name
+    if facts["cache"] == "on":
+        assert os.path.isdir(facts["cache_dir"]), facts["cache_dir"]
 
 
 

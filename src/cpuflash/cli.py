@@ -251,6 +251,7 @@ def info(args):
         "cache": (f"off ({', '.join(_jit.cache_fallbacks)})" if _jit.cache_fallbacks
                   else "on" if config.CACHE_ENABLED else "off (CPUFLASH_DISABLE_CACHE)"),
         "cache_dir": _cache_dir(),
+        "cache_files_tag": _jit.CONFIG_TAG,  # this tile configuration's cache files
         "cuda_kernel_cache": codegen.cache_location() or "off (CPUFLASH_CUDA_CACHE_DIR=0)",
     }
     if args.json:
@@ -263,7 +264,7 @@ def info(args):
 
 def _cache_dir():
     from cpuflash._cpu import forward
-    cache = getattr(forward.forward, "_cache", None)
+    cache = getattr(forward.forward.dispatcher, "_cache", None)
     return getattr(cache, "_cache_path", None) or os.environ.get("NUMBA_CACHE_DIR", "-")
 
 
