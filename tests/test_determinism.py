@@ -109,7 +109,7 @@ def test_other_tile_shapes_keep_their_own_cache_files(tmp_path):
         "@kernel(parallel=False)\n"
         "def toy(x):\n"
         "    return x + 1\n")
-    code = ("import toy_kernel; assert toy_kernel.toy(1) == 2; s = toy_kernel.toy.dispatcher.stats;"
+    code = ("import toy_kernel; assert toy_kernel.toy(1) == 2; s = toy_kernel.toy.compiler.stats;"
             "print(sum(s.cache_hits.values()), sum(s.cache_misses.values()))")
     path = os.pathsep.join([str(tmp_path)] + sys.path)
     narrower = "avx2" if config.VECTOR_BYTES > 32 else "128"

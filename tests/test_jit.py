@@ -68,3 +68,30 @@ def test_canonical_signature():
             kern(a, b, x, 0.5, True)
     with pytest.raises(AssertionError, match="no arguments"):
         _jit.kernel(fn, strided=("nope",), parallel=False)
+
+
+def test_first_calls_from_threads_at_once():
+    """Threads whose first calls of a kernel come at once all get their result (the
+    compilation flag is set and cleared under a lock, not raced)."""
+    import threading
+
+    def fn(x, n):
+        return x[0] * n
+
+    kern = _jit.kernel(fn, parallel=False)
+    start = threading.Barrier(4)
+    results, errors = [], []
+
+    def call(n):
+        start.wait()
+        try:
+            results.append(kern(np.arange(1.0, 3.0), n))
+        except Exception as exc:  # noqa: BLE001 - any failure is the finding
+            errors.append(exc)
+
+    threads = [threading.Thread(target=call, args=(n,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and sorted(results) == [0.0, 1.0, 2.0, 3.0]

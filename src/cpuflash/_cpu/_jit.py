@@ -22,6 +22,7 @@
 import hashlib
 import inspect
 import pathlib
+import threading
 import warnings
 
 import numba
@@ -46,6 +47,7 @@ def _sources_stamp():
 SOURCES_STAMP = _sources_stamp()
 CONFIG_TAG = hashlib.sha256(repr(sorted(config.describe().items())).encode()).hexdigest()[:8]
 cache_fallbacks = []  # names of kernels compiled without a cache, for `cpuflash info`
+_COMPILING = threading.Lock()  # Kernel's compilations
 
 
 def _jit(fn, **flags):
@@ -53,9 +55,10 @@ def _jit(fn, **flags):
         try:
             dispatcher = numba.njit(cache=True, **flags)(fn)
         except Exception as exc:  # no writable cache location: compile in memory
-            cache_fallbacks.append(fn.__name__)
-            warnings.warn(f"cpuflash: Numba cache unavailable ({exc}); kernels compile per process",
-                          RuntimeWarning, stacklevel=3)
+            if fn.__name__ not in cache_fallbacks:  # (a Kernel makes two dispatchers)
+                cache_fallbacks.append(fn.__name__)
+                warnings.warn(f"cpuflash: Numba cache unavailable ({exc}); kernels compile per "
+                              "process", RuntimeWarning, stacklevel=3)
         else:
             cache = getattr(dispatcher, "_cache", None)
             cache_file = getattr(cache, "_cache_file", None)
@@ -87,8 +90,9 @@ class Kernel:
     int64 and a uint64; every new combination is a compilation of the whole kernel, 4-25 s
     each for the kernels here (measured in the test suite: the forward kernel compiled six
     times, the backward and decode kernels five times each, mostly for the layouts and
-    dtypes of masks and of the caller's q). So the dispatcher's own compilation is off; a
-    call that matches no specialization compiles the canonical one of its arguments (those
+    dtypes of masks and of the caller's q). So the dispatcher's own compilation is off; for a
+    call that matches no specialization a second dispatcher of the same function (the same
+    cache files) compiles the canonical signature of its arguments (those
     named in ``strided`` as arrays of any layout, those in ``strided`` or ``read_only`` as
     read-only, integers as int64, floats as float64), and Numba converts every later call's
     arguments to the specialization they match (a C array passes as one of any layout, a
@@ -98,8 +102,9 @@ class Kernel:
     argument (truncating it), so a float where every specialization takes an integer raises
     TypeError instead."""
 
-    def __init__(self, dispatcher, strided=(), read_only=()):
+    def __init__(self, dispatcher, compiler, strided=(), read_only=()):
         self.dispatcher = dispatcher
+        self.compiler = compiler  # compiles (and caches) for ``dispatcher``, which does not
         self.py_func = dispatcher.py_func
         self.__name__, self.__doc__ = self.py_func.__name__, self.py_func.__doc__
         names = list(inspect.signature(self.py_func).parameters)
@@ -109,7 +114,10 @@ class Kernel:
         self._read_only = {names.index(n) for n in read_only} | self._strided
         self._names = names
         self._integers = ()  # positions where every specialization takes an integer
-        # (numba's disable_compile() wants a signature first; its recompile() sets the flag)
+        # Never set back: a call with compilation on, while another thread compiles with the
+        # flag set for it, would compile too and find the flag cleared (RuntimeError, measured
+        # with four threads' first calls). numba's disable_compile() wants a signature first;
+        # its recompile() sets the flag so.
         dispatcher._can_compile = False
 
     def canonical(self, args):
@@ -142,11 +150,11 @@ class Kernel:
         except TypeError as exc:
             if not str(exc).startswith("No matching definition"):
                 raise
-        self.dispatcher._can_compile = True
-        try:
-            self.dispatcher.compile(self.canonical(args))  # or loaded from the cache
-        finally:
-            self.dispatcher._can_compile = False
+        sig = self.canonical(args)
+        with _COMPILING:  # threads' first calls at once: compiled once
+            if sig not in self.dispatcher.overloads:
+                self.compiler.compile(sig)  # or loaded from the cache
+                self.dispatcher.add_overload(self.compiler.overloads[sig])
         sigs = self.dispatcher.signatures
         self._integers = tuple(i for i in range(len(args))
                                if all(isinstance(sig[i], types.Integer) for sig in sigs))
@@ -160,9 +168,10 @@ def kernel(fn=None, *, strided=(), read_only=(), parallel=True):
     reads."""
     if fn is None:
         return lambda f: kernel(f, strided=strided, read_only=read_only, parallel=parallel)
-    flags = dict(parallel=True) if parallel else {}
-    return Kernel(_jit(fn, nogil=True, fastmath=FASTMATH, error_model="numpy", **flags),
-                  strided, read_only)
+    flags = dict(parallel=True, nogil=True, fastmath=FASTMATH, error_model="numpy")
+    if not parallel:
+        del flags["parallel"]
+    return Kernel(_jit(fn, **flags), _jit(fn, **flags), strided, read_only)
 
 
 def helper(fn):
