@@ -114,10 +114,10 @@ class Kernel:
         self._read_only = {names.index(n) for n in read_only} | self._strided
         self._names = names
         self._integers = ()  # positions where every specialization takes an integer
-        # Never set back: a call with compilation on, while another thread compiles with the
-        # flag set for it, would compile too and find the flag cleared (RuntimeError, measured
-        # with four threads' first calls). numba's disable_compile() wants a signature first;
-        # its recompile() sets the flag so.
+        # Off for good: this dispatcher runs only what ``compiler`` compiled. (Switched on
+        # around a compilation, it raced: another thread's call in that window compiled too
+        # and found it off again, RuntimeError "compilation disabled", seen with four threads'
+        # first calls. numba's disable_compile() wants a signature first.)
         dispatcher._can_compile = False
 
     def canonical(self, args):
@@ -155,9 +155,9 @@ class Kernel:
             if sig not in self.dispatcher.overloads:
                 self.compiler.compile(sig)  # or loaded from the cache
                 self.dispatcher.add_overload(self.compiler.overloads[sig])
-        sigs = self.dispatcher.signatures
+        compiled = self.dispatcher.signatures
         self._integers = tuple(i for i in range(len(args))
-                               if all(isinstance(sig[i], types.Integer) for sig in sigs))
+                               if all(isinstance(types_[i], types.Integer) for types_ in compiled))
         self._check_integers(args)
         return self.dispatcher(*args)
 
