@@ -102,14 +102,15 @@ class UserMask:
     def __init__(self, mask, n_b, n_hq, n_q, n_k, compute_dtype):
         self.shape = (n_b, n_hq, n_q, n_k)
         self.given = mask is not None
-        self.adds = _no_adds(self.shape, np.dtype(compute_dtype))
         if not self.given:  # the same read-only views for every call of a shape
             self.raw, self.is_bool, self.bools = _NO_MASK, True, _no_mask_view(self.shape)
+            self.adds = _no_adds(self.shape, np.dtype(compute_dtype))
             return
         self.raw = _mask_4d(mask, self.shape, compute_dtype)
         self.is_bool = self.raw.dtype == np.bool_
         if self.is_bool:  # as its bytes (0/1): the kernels load a row of them as one vector
             self.bools = np.broadcast_to(self.raw.view(np.uint8), self.shape)
+            self.adds = _no_adds(self.shape, np.dtype(compute_dtype))
         else:
             self.bools = _no_mask_view(self.shape)
             self.adds = np.broadcast_to(self.raw, self.shape)

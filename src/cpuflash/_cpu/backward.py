@@ -44,8 +44,7 @@ TASKS_WANTED = 4  # key chunks per (batch, kv head) are added until there are th
 @kernel(strided=("mask_bools", "mask_adds", "tile_state"), read_only=("kv_lens", "slopes2"))
 def backward(qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad,
              left, right, kv_lens, softcap2, slopes2, mask_bools, mask_adds, mask_is_bool,
-             tile_state,
-             drop_below, seed, chunk_starts, portable, dq_part, dk, dv, scale, dq):
+             tile_state, drop_below, seed, chunk_starts, portable, dq_part, dk, dv, scale, dq):
     """qp: (B, Hq, n_qb * block_q, d_pad) Q times ``scale * log2(e)``, zero-padded, contiguous.
     dout: (B, Hq, Nq, Dv), contiguous. left, right, kv_lens: the band (masking.py).
     softcap2, slopes2 (B, Hq): score modifiers in base-2 units, 0 for off (scores.py).
@@ -360,7 +359,7 @@ def run_backward(dout, q, k, v, out, lse, scale, band, mods, user_mask, drop, po
     lse2_lo = np.empty(lse.shape, dtype=dtype)
     delta = np.empty(lse.shape, dtype=dtype)
     row_terms(dout, out, lse, q, scale * LOG2_E, lse2, lse2_lo, delta, qp)
-    dout = np.ascontiguousarray(dout)  # one compiled kernel per dtype
+    dout = np.ascontiguousarray(dout)  # the kernel reads it flat (do_flat)
     run_dynamic(backward, qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad,
                 left, right, kv_lens, softcap2, slopes2, *user_mask.kernel_args(),
                 user_mask.tile_states(block_q, block_k), drop[0], drop[1], starts, portable,
