@@ -1,14 +1,18 @@
-"""A/B of the CPU forward's query-block rows (``config.block_q``) side by side with torch's CPU
-SDPA: each block size in turn and torch, in rounds in one process (this machine drifts by 10-20 %
-over minutes, so separate runs would not compare); per round the best of ``--calls`` calls, the
-median over rounds printed. The last column says whether every block size gave the first one's
-bits. Not collected by pytest.
+"""A/B of the CPU kernels' tile sizes, query-block rows (``config.block_q``) and keys per tile
+(``config.block_k``, or ``config.backward_block_k`` with ``--backward``), side by side with
+torch's CPU SDPA: each (rows, keys) pair in turn and torch, in rounds in one process (this
+machine drifts by 10-20 % over minutes, so separate runs would not compare); per round the best
+of ``--calls`` calls, the median over rounds printed. The last column says whether every pair
+gave the first one's bits (the rows never change them; the keys change how the sums are split).
+Not collected by pytest.
 
-    python bench/cpu_block_ab.py [--rows 0,64,128] [--shapes 512x128,512x64] [--h 8]
-                                 [--causal] [--rounds 12] [--calls 7]
+    python bench/cpu_block_ab.py [--rows 0,64,128] [--keys 0] [--shapes 512x128,512x64]
+                                 [--h 8] [--causal] [--backward] [--rounds 12] [--calls 7]
 
-``--rows``: 0 is ``config.block_q``'s own choice; others must be multiples of the host's
-micro-tile rows (``config.MICRO_ROWS``). B=1, float32, the threads Numba has.
+``--rows``, ``--keys``: 0 is the config's own choice; rows must be multiples of the host's
+micro-tile rows (``config.MICRO_ROWS``), keys of its panel width (``config.panel_width``).
+``--backward``: forward and backward (``attention_vjp`` against torch's autograd; ``--rows``
+then applies to the forward only). B=1, float32, the threads Numba has.
 """
 import argparse
 import sys
@@ -35,9 +39,12 @@ def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=lambda t: int_list(t, at_least=0), default=[0, 64, 128],
                    help="query rows per block to compare (0: config.block_q's choice)")
+    p.add_argument("--keys", type=lambda t: int_list(t, at_least=0), default=[0],
+                   help="keys per tile to compare (0: the config's choice)")
     p.add_argument("--shapes", type=shape_list, default=[(512, 128), (512, 64)])
     p.add_argument("--h", type=int, default=8)
     p.add_argument("--causal", action="store_true")
+    p.add_argument("--backward", action="store_true")
     p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--calls", type=int, default=7)
     a = p.parse_args(argv)
@@ -48,6 +55,10 @@ def parse(argv=None):
     if any(r % config.MICRO_ROWS for r in a.rows):  # the kernel steps its rows by micro-tiles
         p.error(f"--rows: each must be 0 or a multiple of this host's micro-tile rows "
                 f"({config.MICRO_ROWS}), got {a.rows}")
+    width = config.panel_width(np.dtype(np.float32))
+    if any(k % width for k in a.keys):
+        p.error(f"--keys: each must be 0 or a multiple of this host's panel width ({width}), "
+                f"got {a.keys}")
     return a
 
 
@@ -68,41 +79,54 @@ def main(a):
     from cpuflash import config
 
     torch.set_num_threads(cpuflash.get_num_threads())
-    chosen = config.block_q
+    keys_of = "backward_block_k" if a.backward else "block_k"
+    chosen = {"block_q": config.block_q, keys_of: getattr(config, keys_of)}
+    pairs = [(rows, keys) for rows in a.rows for keys in a.keys]
 
-    def use(rows):  # the block size of the calls that follow
-        config.block_q = chosen if rows == 0 else (lambda *args: rows)
+    def use(pair):  # the tile sizes of the calls that follow
+        rows, keys = pair
+        config.block_q = chosen["block_q"] if rows == 0 else (lambda *args: rows)
+        setattr(config, keys_of, chosen[keys_of] if keys == 0 else (lambda d: keys))
 
     rng = np.random.default_rng(0)
-    print(f"rows {a.rows} (0: config.block_q), H={a.h}, causal={a.causal}; ms (x torch)")
+    print(f"rows x keys {[f'{r}x{k}' for r, k in pairs]} (0: the config's), H={a.h}, "
+          f"causal={a.causal}, backward={a.backward}; ms (x torch)")
     try:
         for n, d in a.shapes:
-            q, k, v = (rng.standard_normal((1, a.h, n, d)).astype(np.float32) for _ in range(3))
-            tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
+            q, k, v, dout = (rng.standard_normal((1, a.h, n, d)).astype(np.float32)
+                             for _ in range(4))
+            tq, tk, tv = (torch.from_numpy(x).requires_grad_(a.backward) for x in (q, k, v))
+            tdout = torch.from_numpy(dout)
 
             def ours():
+                if a.backward:
+                    return cpuflash.attention_vjp(q, k, v, dout, causal=a.causal)[1]
                 return cpuflash.attention(q, k, v, causal=a.causal)
 
             def theirs():
-                return F.scaled_dot_product_attention(tq, tk, tv, is_causal=a.causal)
+                out = F.scaled_dot_product_attention(tq, tk, tv, is_causal=a.causal)
+                if a.backward:
+                    out.backward(tdout)
+                return out
 
-            outs, times = {}, {key: [] for key in [*a.rows, "torch"]}
-            for rows in a.rows:
-                use(rows)
-                outs[rows] = ours()
+            outs, times = {}, {key: [] for key in [*pairs, "torch"]}
+            for pair in pairs:
+                use(pair)
+                outs[pair] = ours()
             for _ in range(a.rounds):
-                for rows in a.rows:
-                    use(rows)
-                    times[rows].append(best_of(ours, a.calls))
+                for pair in pairs:
+                    use(pair)
+                    times[pair].append(best_of(ours, a.calls))
                 times["torch"].append(best_of(theirs, a.calls))
             median = {key: float(np.median(t)) for key, t in times.items()}
-            cells = " | ".join(f"{r}: {median[r] * 1e3:.3f} ({median['torch'] / median[r]:.3f})"
-                               for r in a.rows)
-            same = all(np.array_equal(outs[a.rows[0]], outs[r]) for r in a.rows)
+            cells = " | ".join(f"{r}x{k}: {median[(r, k)] * 1e3:.3f} "
+                               f"({median['torch'] / median[(r, k)]:.3f})" for r, k in pairs)
+            same = all(np.array_equal(outs[pairs[0]], outs[pair]) for pair in pairs)
             print(f"| {n} | {d} | {cells} | torch {median['torch'] * 1e3:.3f} | bitwise {same} |",
                   flush=True)
     finally:
-        config.block_q = chosen
+        config.block_q = chosen["block_q"]
+        setattr(config, keys_of, chosen[keys_of])
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ import cpuflash
 from cpuflash import config, reference
 from conftest import rand, rands
 
-BQ, BK = config.BLOCK_Q, config.BLOCK_K
+BQ, BK = config.BLOCK_Q, config.BACKWARD_BLOCK_K
 
 
 def grads(q, k, v, dout, causal=False, scale=None):

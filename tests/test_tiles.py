@@ -11,9 +11,10 @@ import pytest
 
 from cpuflash import config
 from cpuflash._cpu import simd
-from cpuflash._cpu.tiles import (rescale_add, row_max, softmax_grad_row, tile_product,
-                                 tile_product_add, tile_product_kahan, tile_product_max,
-                                 tile_product_rescale, tile_product_softmax_grad)
+from cpuflash._cpu.tiles import (REST_MR, rescale_add, row_max, softmax_grad_row, tile_product,
+                                 tile_product_add, tile_product_ahead, tile_product_kahan,
+                                 tile_product_max, tile_product_rescale,
+                                 tile_product_softmax_grad)
 
 MR = config.MICRO_ROWS
 LANES = config.VECTOR_BYTES // 4  # float32
@@ -219,3 +220,41 @@ def test_backward_epilogues_equal_their_passes(portable, kind, rows, cols, k):
     else:
         expect = c0.reshape(rows, ldc)[:, :cols] + product
     np.testing.assert_allclose(got, expect, rtol=1e-5, atol=1e-4 * np.sqrt(k))
+
+
+@numba.njit
+def _row_blocks(a, b, rows, cols, k, ahead):
+    """The product of all ``rows`` in one call (blocks of MR, then REST_MR, then single rows),
+    and the same rows one call each; B row-major, as the decode kernel reads it."""
+    whole = np.zeros(rows * cols, dtype=a.dtype)
+    single = np.zeros(rows * cols, dtype=a.dtype)
+    if ahead:
+        tile_product_ahead(whole, 0, cols, a, 0, k, 1, b, 0, cols, rows, cols, k, 2 * cols)
+    else:
+        tile_product(whole, 0, cols, a, 0, k, 1, b, 0, cols, 1, rows, cols, k, False, False)
+    for r in range(rows):
+        if ahead:
+            tile_product_ahead(single, r * cols, cols, a, r * k, k, 1, b, 0, cols, 1, cols, k,
+                               2 * cols)
+        else:
+            tile_product(single, r * cols, cols, a, r * k, k, 1, b, 0, cols, 1, 1, cols, k,
+                         False, False)
+    return whole, single
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["plain", "prefetching"])
+@pytest.mark.parametrize("rows", sorted({1, 2, 4, 5, MR - 1, MR, MR + 4, MR + 5, 2 * MR + 3}))
+def test_row_blocking_never_changes_the_bits(ahead, rows):
+    """Decoding's query rows (a GQA group: 4 with Hq=8, Hkv=2) come in blocks of MR, then of
+    REST_MR (4 where MR is 6), then one at a time: each row's sums run in the same order in
+    every block shape, so a row gets the same bits alone as in any group, and the float64
+    product within rounding."""
+    assert REST_MR in (0, 4)
+    k, cols = 37, 2 * PANEL + LANES
+    rng = np.random.default_rng(rows)
+    a = rng.standard_normal(rows * k).astype(np.float32)
+    b = rng.standard_normal(k * cols).astype(np.float32)
+    whole, single = _row_blocks(a, b, rows, cols, k, ahead)
+    assert np.array_equal(whole, single)
+    expect = a.reshape(rows, k).astype(np.float64) @ b.reshape(k, cols).astype(np.float64)
+    np.testing.assert_allclose(whole.reshape(rows, cols), expect, rtol=0, atol=1e-5 * k)

@@ -9,8 +9,10 @@ is keyed on the CPU name and features, never serves a kernel built for other til
   vectors of B. AVX-512 has 32 vector registers: 4 x 4 accumulators + 4 B vectors + 1 broadcast.
   AVX2 and NEON have 16 (32 on Arm, but narrower): 6 x 2 accumulators, at most 12, do not spill.
 * ``BLOCK_Q`` x ``BLOCK_K``: the attention tile. A 64 x 64 float32 Q block (16 KiB) and K/V tiles
-  of ``BLOCK_K`` keys (at D = 64, 32 KiB each) stay in L2 and mostly in L1 while a tile is
-  reused; the score tile ``BLOCK_Q x BLOCK_K`` is the working set of the softmax.
+  of ``BLOCK_K`` keys (at D = 64, 32-64 KiB each) stay in L2 while a tile is reused; the score
+  tile ``BLOCK_Q x BLOCK_K`` is the working set of the softmax. ``BACKWARD_BLOCK_K``: the
+  backward pass's key tile (its tiles hold five products, and causal masks waste more of a
+  wider diagonal tile).
 """
 import os
 import warnings
@@ -47,15 +49,33 @@ else:
 
 # float32 lanes of one vector; the key tile is a whole number of micro-tile widths.
 LANES_F32 = VECTOR_BYTES // 4
-BLOCK_K = 2 * MICRO_VECS * LANES_F32 if VECTOR_BYTES == 64 else 4 * MICRO_VECS * LANES_F32
+# Keys per tile, measured per SIMD width, B=1, H=8, float32, 2 threads, side by side with
+# torch in one process (``bench/cpu_block_ab.py --keys``). AVX-512 (Emerald Rapids): 128 beat
+# 64 and 256 at D=64 and 128, N=512..8192 (at 256, rows 1 KiB apart aliased in L1 and cost
+# 20 %). AVX2 (Zen 3, stop 25; log bench/results/cpu_block_k_zen3_stop25.txt): forward, 256
+# keys against 64 / 128: N=2048 D=64 +8-10 % / +3 %, N=512 D=128 +10 % / +4 %, N=2048
+# D=128 +12 % / +4 %, causal N=8192 +6 % / 0, causal N=2048 +7 % / 0; a tile's fixed costs
+# (the row maxima and sums reduced across lanes, the rescale of the output rows) are paid a
+# quarter as often. Backward, 128 against 64 / 256: causal N=2048 +7 % / +7 %, causal N=8192
+# +10 % / +5 %. 128-bit hosts: 32, not measured.
+if VECTOR_BYTES == 64:
+    BLOCK_K, BACKWARD_BLOCK_K = 128, 128
+elif VECTOR_BYTES == 32:
+    BLOCK_K, BACKWARD_BLOCK_K = 256, 128
+else:
+    BLOCK_K, BACKWARD_BLOCK_K = 32, 32
 BLOCK_Q = MICRO_ROWS * (64 // MICRO_ROWS) if MICRO_ROWS != 6 else 48
 
 
 def block_k(head_dim):
-    """Keys per tile. Measured on AVX-512 (Emerald Rapids), B=1, H=8, N=512..8192: 128 keys
-    beat 64 and 256 at D=64 and D=128 alike (at 256, rows 1 KiB apart alias in L1 and cost
-    20 %); a 512-row head (256 KiB per K tile) still fits L2."""
+    """Keys per tile of the forward pass (see ``BLOCK_K``); a 512-wide head (256 KiB per K
+    tile of 128 keys) still fits L2."""
     return BLOCK_K
+
+
+def backward_block_k(head_dim):
+    """Keys per tile of the backward pass (see ``BACKWARD_BLOCK_K``)."""
+    return BACKWARD_BLOCK_K
 
 
 def block_q(n_q, head_dim, n_tasks_per_block, threads):
@@ -103,4 +123,5 @@ def describe():
         "micro_tile": f"{MICRO_ROWS}x{MICRO_VECS * LANES_F32} (float32)",
         "block_q": BLOCK_Q,
         "block_k": BLOCK_K,
+        "backward_block_k": BACKWARD_BLOCK_K,
     }

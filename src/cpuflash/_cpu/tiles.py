@@ -160,10 +160,24 @@ def _product_with_epilogue(epilogue, e_layout, whole_panels=False):
 
 
 _micro_simd = _micro_dispatch(MR)
-# One-row tiles for the rows past the last whole MR block (decode with fewer rows than MR).
-_micro_row = _micro_dispatch(1)
 _micro_ahead = _micro_ahead_dispatch(MR)
+# The rows past the last whole MR block (decoding: a GQA group's query rows, often fewer than
+# MR) in blocks of REST_MR where MR is wider (6 on AVX2), then one row at a time. A one-row tile
+# has MAX_VECS accumulators, too few chains of fused multiply-adds to hide their latency (4
+# cycles on Zen 3, two issued a cycle): decoding Hq=8, Hkv=2 (4 rows) one row at a time ran at
+# a third of the streaming bandwidth on Zen 3 (stop 25), where AVX-512's MR = 4 takes the group
+# whole. Where there is no such block the name stands for MR's own (never called).
+REST_MR = 4 if MR > 4 else 0
+_micro_rest = _micro_dispatch(REST_MR) if REST_MR else _micro_simd
+_micro_ahead_rest = _micro_ahead_dispatch(REST_MR) if REST_MR else _micro_ahead
+_micro_row = _micro_dispatch(1)
 _micro_ahead_row = _micro_ahead_dispatch(1)
+
+
+@helper
+def rest_blocks_end(whole, rows):
+    """The end of the REST_MR-row blocks that follow the ``whole`` rows of MR blocks."""
+    return whole + (rows - whole) // REST_MR * REST_MR if REST_MR > 0 else whole
 
 
 @helper
@@ -190,7 +204,7 @@ def product_portable(c, c_off, ldc, a, a_off, a_rs, a_ks, b, b_off, b_ld, b_pane
 def tile_product(c, c_off, ldc, a, a_off, a_rs, a_ks, b, b_off, b_ld, b_panel, rows, cols, k,
                  accumulate, portable):
     """``C[:rows, :cols] (+)= A[:rows, :k] @ B[:k, :cols]``; cols whole vectors. Rows in blocks
-    of MR, then any rest one row at a time.
+    of MR, then of REST_MR, then any rest one row at a time.
 
     ``A[r, k]`` is ``a[a_off + r*a_rs + k*a_ks]`` (row-major, or transposed with ``a_rs = 1``).
     B is read one column panel of ``panel_width`` columns at a time (the last may be narrower):
@@ -207,6 +221,7 @@ def tile_product(c, c_off, ldc, a, a_off, a_rs, a_ks, b, b_off, b_ld, b_panel, r
     lanes = simd.lanes_of(c)
     step = MAX_VECS * lanes
     whole = rows // MR * MR
+    rest_end = rest_blocks_end(whole, rows)
     for c0 in range(0, cols, step):  # panels outer: one panel of B stays in L1 for all rows
         width = min(step, cols - c0)
         panel = b_off + c0 * b_panel
@@ -214,7 +229,10 @@ def tile_product(c, c_off, ldc, a, a_off, a_rs, a_ks, b, b_off, b_ld, b_panel, r
         for r0 in range(0, whole, MR):
             _micro_simd(c, c_off + r0 * ldc + c0, ldc, a, a_off + r0 * a_rs, a_rs, a_ks,
                         b, panel, ldb, k, width // lanes, accumulate)
-        for r in range(whole, rows):
+        for r0 in range(whole, rest_end, max(REST_MR, 1)):
+            _micro_rest(c, c_off + r0 * ldc + c0, ldc, a, a_off + r0 * a_rs, a_rs, a_ks,
+                        b, panel, ldb, k, width // lanes, accumulate)
+        for r in range(rest_end, rows):
             _micro_row(c, c_off + r * ldc + c0, ldc, a, a_off + r * a_rs, a_rs, a_ks,
                        b, panel, ldb, k, width // lanes, accumulate)
 
@@ -269,12 +287,16 @@ def tile_product_ahead(c, c_off, ldc, a, a_off, a_rs, a_ks, b, b_off, b_ld, rows
     lanes = simd.lanes_of(c)
     step = MAX_VECS * lanes
     whole = rows // MR * MR
+    rest_end = rest_blocks_end(whole, rows)
     for c0 in range(0, cols, step):
         nv = min(step, cols - c0) // lanes
         for r0 in range(0, whole, MR):
             _micro_ahead(c, c_off + r0 * ldc + c0, ldc, a, a_off + r0 * a_rs, a_rs, a_ks,
                          b, b_off + c0, b_ld, k, nv, ahead)
-        for r in range(whole, rows):
+        for r0 in range(whole, rest_end, max(REST_MR, 1)):
+            _micro_ahead_rest(c, c_off + r0 * ldc + c0, ldc, a, a_off + r0 * a_rs, a_rs, a_ks,
+                              b, b_off + c0, b_ld, k, nv, ahead)
+        for r in range(rest_end, rows):
             _micro_ahead_row(c, c_off + r * ldc + c0, ldc, a, a_off + r * a_rs, a_rs, a_ks,
                              b, b_off + c0, b_ld, k, nv, ahead)
 
