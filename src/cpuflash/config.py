@@ -85,11 +85,14 @@ def block_q(n_q, head_dim, n_tasks_per_block, threads):
     +5 %; at D=128, N=2048: +1 %; stop 23, side by side with torch in one process, B=1, 2
     threads, H=8 and H=2, N=256-512, D=64 and 128, causal and not: +2-8 %, by
     ``bench/cpu_block_ab.py``, log ``bench/results/cpu_block_q_stop23.txt``). The rows computed
-    per query do not change with the block, so neither do the bits."""
+    per query do not change with the block, so neither do the bits. Only on AVX-512: on Zen 3
+    (AVX2, 256-key tiles, whose score tile would double to 100 KiB) ``BLOCK_Q`` was 1-4 %
+    faster at N=2048 (D=64 and 128, causal and not) and N=8192 causal, the same at N=1024
+    (stop 25, log ``bench/results/cpu_block_k_zen3_stop25.txt``)."""
     big = 2 * BLOCK_Q
     enough_tasks = n_tasks_per_block * (-(-n_q // big)) >= 4 * threads
     no_more_padding = n_q >= 1024 or -(-n_q // big) * big == -(-n_q // BLOCK_Q) * BLOCK_Q
-    if n_q >= big and head_dim <= 128 and enough_tasks and no_more_padding:
+    if VECTOR_BYTES == 64 and n_q >= big and head_dim <= 128 and enough_tasks and no_more_padding:
         return big
     if n_q < BLOCK_Q:  # few queries (decoding): whole micro-tiles only, not a padded block
         return max(MICRO_ROWS, -(-n_q // MICRO_ROWS) * MICRO_ROWS)
