@@ -86,7 +86,7 @@ def main(a):
     def use(pair):  # the tile sizes of the calls that follow
         rows, keys = pair
         config.block_q = chosen["block_q"] if rows == 0 else (lambda *args: rows)
-        setattr(config, keys_of, chosen[keys_of] if keys == 0 else (lambda d: keys))
+        setattr(config, keys_of, chosen[keys_of] if keys == 0 else (lambda *args: keys))
 
     rng = np.random.default_rng(0)
     print(f"rows x keys {[f'{r}x{k}' for r, k in pairs]} (0: the config's), H={a.h}, "

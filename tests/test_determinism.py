@@ -117,3 +117,19 @@ def test_other_tile_shapes_keep_their_own_cache_files(tmp_path):
     assert _run(code, PYTHONPATH=path, CPUFLASH_SIMD=narrower).stdout.split() == ["0", "1"]
     assert _run(code, PYTHONPATH=path).stdout.split() == ["1", "0"]  # still this host's
     assert len(list((tmp_path / "__pycache__").glob("toy_kernel.toy-*.nbi"))) == 2
+
+
+@pytest.mark.parametrize("n_q,n_k,causal", [(20, 20, False), (100, 37, True), (7, 200, False),
+                                            (300, 70, True)])
+def test_key_tiles_fitted_to_few_keys_give_the_full_tiles_bits(monkeypatch, n_q, n_k, causal):
+    """Fewer keys than a tile get a tile of just the panels that hold them
+    (``config.block_k``): the same sums over the same keys in the same order, so the same bits
+    as the host's full tile, forward and backward."""
+    q, dout = rands((1, 4, n_q, 32), (1, 4, n_q, 32))
+    k, v = rands((1, 4, n_k, 32), (1, 4, n_k, 32), seed=5)
+    fitted = cpuflash.attention_vjp(q, k, v, dout, causal=causal)
+    monkeypatch.setattr(config, "block_k", lambda d, n: config.BLOCK_K)
+    monkeypatch.setattr(config, "backward_block_k", lambda d, n: config.BACKWARD_BLOCK_K)
+    full = cpuflash.attention_vjp(q, k, v, dout, causal=causal)
+    for got, want in zip(fitted, full):
+        assert np.array_equal(got, want)

@@ -145,7 +145,7 @@ def test_values_read_in_place_equal_the_packed_copy(causal):
     """A contiguous V whose rows already have the packed layout (one panel wide, whole key
     tiles) is read in place; a read-only or strided V of the same values is packed. Both give
     the same bits."""
-    n = 2 * config.block_k(64)
+    n = 2 * config.BLOCK_K
     q, k, v = rands((1, 2, n, 64), (1, 2, n, 64), (1, 2, n, 64))
     in_place = cpuflash.attention(q, k, v, causal=causal)
     read_only = v.copy()
@@ -165,7 +165,7 @@ def test_contiguous_packing_equals_the_strided_packing(dtype, n, d):
     copies, NaN/Inf zeroed for the backward pass) write the bits of the any-stride loops,
     padding keys and all."""
     from cpuflash._cpu import pack
-    block_k, lanes, width = config.block_k(d), config.lanes(np.dtype(dtype)), config.panel_width(
+    block_k, lanes, width = config.block_k(d, n), config.lanes(np.dtype(dtype)), config.panel_width(
         np.dtype(dtype))
     k = rand((2, 3, n, d), seed=4).astype(dtype)
     k[0, 1, n // 2, d // 2], k[1, 2, 0, 0] = np.nan, -np.inf

@@ -243,7 +243,7 @@ def info(args):
         "cpuflash": cpuflash.__version__,
         "cpu": _cpu_name(),
         **config.describe(),
-        "block_k_by_head_dim": {d: config.block_k(d) for d in (64, 128, 256)},
+        "block_k_by_head_dim": {d: config.block_k(d, 1 << 30) for d in (64, 128, 256)},
         "portable": config.PORTABLE,
         "threads": cpuflash.get_num_threads(),
         "numba": numba.__version__,

@@ -67,15 +67,25 @@ else:
 BLOCK_Q = MICRO_ROWS * (64 // MICRO_ROWS) if MICRO_ROWS != 6 else 48
 
 
-def block_k(head_dim):
-    """Keys per tile of the forward pass (see ``BLOCK_K``); a 512-wide head (256 KiB per K
-    tile of 128 keys) still fits L2."""
-    return BLOCK_K
+def _fit_keys(block, n_k):
+    """``block`` keys, or fewer where there are fewer keys: the whole float32 panels that hold
+    ``n_k``. A key tile is computed whole (its scores and their exponentials, masked past the
+    last key), so a 256-key tile over a 20-token sentence would do 13 times the work (MiniLM's
+    varlen batches, sentences of 5..128 tokens). A single tile's sums run over the same keys in
+    the same order either way."""
+    quantum = MICRO_VECS * LANES_F32
+    return min(block, max(quantum, -(-n_k // quantum) * quantum))
 
 
-def backward_block_k(head_dim):
-    """Keys per tile of the backward pass (see ``BACKWARD_BLOCK_K``)."""
-    return BACKWARD_BLOCK_K
+def block_k(head_dim, n_k):
+    """Keys per tile of the forward pass for ``n_k`` keys (see ``BLOCK_K``); a 512-wide head
+    (256 KiB per K tile of 128 keys) still fits L2."""
+    return _fit_keys(BLOCK_K, n_k)
+
+
+def backward_block_k(head_dim, n_k):
+    """Keys per tile of the backward pass for ``n_k`` keys (see ``BACKWARD_BLOCK_K``)."""
+    return _fit_keys(BACKWARD_BLOCK_K, n_k)
 
 
 def block_q(n_q, head_dim, n_tasks_per_block, threads):

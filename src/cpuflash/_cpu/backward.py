@@ -328,7 +328,7 @@ def run_backward(dout, q, k, v, out, lse, scale, band, mods, user_mask, drop, po
         for grad in grads:
             grad.fill(0.0)
         return dq, dk, dv
-    block_k = config.backward_block_k(d)
+    block_k = config.backward_block_k(d, n_k)
     block_q = config.BLOCK_Q
     lanes, width = config.lanes(dtype), config.panel_width(dtype)
     d_pad = -(-d // lanes) * lanes

@@ -195,7 +195,7 @@ def run_forward(q, k, v, scale, band, mods, user_mask, drop, portable, out=None,
     if kv_scales is not None:  # int8 times its per-token scale, in the compute dtype
         k, v = (x * x_scale[..., None].astype(q.dtype) for x, x_scale in zip((k, v), kv_scales))
     k, v = (x if x.dtype == q.dtype else x.astype(q.dtype) for x in (k, v))
-    block_k = config.block_k(d)
+    block_k = config.block_k(d, n_k)
     kt, vt = packed_kv(k, v, block_k, config.lanes(q.dtype), config.panel_width(q.dtype))
     block_q = config.block_q(n_q, d, n_b * n_hq, numba.get_num_threads())
     run_dynamic(forward, q, kt, vt, block_q, scale * LOG2_E, left, right, kv_lens, softcap2,
