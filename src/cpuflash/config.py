@@ -52,12 +52,14 @@ LANES_F32 = VECTOR_BYTES // 4
 # Keys per tile, measured per SIMD width, B=1, H=8, float32, 2 threads, side by side with
 # torch in one process (``bench/cpu_block_ab.py --keys``). AVX-512 (Emerald Rapids): 128 beat
 # 64 and 256 at D=64 and 128, N=512..8192 (at 256, rows 1 KiB apart aliased in L1 and cost
-# 20 %). AVX2 (Zen 3, stop 25; log bench/results/cpu_block_k_zen3_stop25.txt): forward, 256
-# keys against 64 / 128: N=2048 D=64 +8-10 % / +3 %, N=512 D=128 +10 % / +4 %, N=2048
-# D=128 +12 % / +4 %, causal N=8192 +6 % / 0, causal N=2048 +7 % / 0; a tile's fixed costs
-# (the row maxima and sums reduced across lanes, the rescale of the output rows) are paid a
-# quarter as often. Backward, 128 against 64 / 256: causal N=2048 +7 % / +7 %, causal N=8192
-# +10 % / +5 %. 128-bit hosts: 32, not measured.
+# 20 %). AVX2 (Zen 3, stop 25; log bench/results/cpu_block_k_zen3_stop25.txt), x torch with
+# 64 / 128 / 256 keys, forward: N=2048 D=64 0.99 / 1.06 / 1.10, N=512 D=128 0.98 / 1.04 /
+# 1.06, N=2048 D=128 0.97 / 1.02 / 1.05, N=512 D=64 0.96 / 1.05 / 1.09, causal N=2048 1.12 /
+# 1.14 / 1.11, causal N=8192 1.05 / 1.11 / 1.12 (presumably a tile's fixed costs, the row
+# maxima and sums reduced across lanes and the rescale of the output rows, paid less often);
+# forward + backward with the backward's 64 / 128 / 256: N=2048 1.05 / 1.09 / 1.09, N=512
+# 1.05 / 1.11 / 1.11, causal N=2048 1.10 / 1.13 / 1.09, causal N=8192 1.07 / 1.10 / 1.07.
+# 128-bit hosts: 32, not measured.
 if VECTOR_BYTES == 64:
     BLOCK_K, BACKWARD_BLOCK_K = 128, 128
 elif VECTOR_BYTES == 32:

@@ -50,8 +50,8 @@ def quantize_int8(x, *, name="x"):
 # fall in one set of the L1 cache, whose 8 ways (Zen 3; 12 on Sapphire Rapids) cannot hold the
 # dozens of rows the score product reads at once: it evicts its own lines. One cache line more
 # per row spreads them over the sets. Measured on Zen 3, one thread, 4 query rows, 1024 keys
-# in L2: the scores of a sweep 25.3 -> 16.5 ns per key summed 8 dims a pass, 16.2 -> 8.0 with
-# all 64 in one pass (stop 25).
+# in L2 (``bench/cpu_decode_steps.py``, four runs): the scores of a sweep summed all 64 dims in
+# one pass 16-25 -> 8-12 ns per key; 8 dims a pass (DIM_GROUP) 20-31 -> 16-24, in the noise.
 K_ROW_PAD_BYTES = 64
 
 
