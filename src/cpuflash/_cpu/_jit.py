@@ -175,5 +175,19 @@ def kernel(fn=None, *, strided=(), read_only=(), parallel=True):
 
 
 def helper(fn):
-    """A serial helper called from kernels."""
-    return _jit(fn, nogil=True, fastmath=FASTMATH, error_model="numpy")
+    """A serial helper called from kernels, compiled once per argument types, not per value:
+    Numba types a constant argument as a literal (``f(s, 0, True)`` as ``Literal[int](0)``,
+    ``Literal[bool](True)``) and compiles a dispatcher once for each combination of literal
+    values it is called with, the same machine code each time. The helpers here use no
+    argument as a compile-time constant, so their calls are typed with the plain types
+    (measured, the first forward call of a new process with an empty cache: ``row_max``
+    compiled twice, ``values_task`` twice, ...)."""
+    dispatcher = _jit(fn, nogil=True, fastmath=FASTMATH, error_model="numpy")
+    call_template = dispatcher.get_call_template
+
+    def get_call_template(args, kws):
+        return call_template(tuple(types.unliteral(a) for a in args),
+                             {name: types.unliteral(a) for name, a in kws.items()})
+
+    dispatcher.get_call_template = get_call_template
+    return dispatcher
