@@ -11,7 +11,7 @@ from cpuflash import cli
 
 def test_bench_json_on_a_tiny_shape(capsys):
     cli.main(["bench", "--shape", "1,2,64,16,1", "--repeats", "1", "--no-memory", "--no-torch",
-              "--decode-case", "2,300,int8", "--json"])
+              "--decode-case", "2,300,int8", "--json", "--no-warmup"])
     report = json.loads(capsys.readouterr().out)
     (fwd,) = report["forward"]
     (bwd,) = report["backward"]
@@ -20,7 +20,26 @@ def test_bench_json_on_a_tiny_shape(capsys):
     assert 0 < dec["err"] < 5e-3 and dec["gbs"] > 0 and dec["stream_gbs"] > 0
     assert fwd["N"] == 64 and fwd["causal"] is True and fwd["vs_naive"] > 0
     assert fwd["err"] < 1e-5 and bwd["err"] < 1e-5 and fwd["gflops"] > 0
-    assert report["meta"]["threads"] >= 1
+    assert report["meta"]["threads"] >= 1 and report["meta"]["warmup_s"] is None
+
+
+@pytest.mark.parametrize("argv, jobs", [
+    ([], ["forward:float32", "backward:float32", "decode:float32", "decode-float16:float32",
+          "decode-int8:float32"]),
+    (["--section", "forward"], ["forward:float32", "decode:float32"]),
+    (["--dtype", "float64", "--section", "backward"],
+     ["forward:float64", "backward:float64", "decode:float64"]),
+    (["--dtype", "float16", "--section", "decode", "--decode-case", "2,300,int8"],
+     ["forward:float32", "decode:float32", "decode-int8:float32"]),
+])
+def test_bench_warms_up_the_kernels_it_calls(argv, jobs, monkeypatch):
+    """``cpuflash bench`` precompiles (``warmup.precompile``) the families it will call, and
+    only those: each of its calls then loads its kernels from the cache."""
+    seen = {}
+    monkeypatch.setattr(cli, "bench", lambda args: seen.setdefault("args", args))
+    cli.main(["bench", *argv])
+    args = seen["args"]
+    assert cli._bench_jobs(args, __import__("numpy").dtype(args.dtype)) == jobs
 
 
 def test_info_json(capsys):

@@ -1,4 +1,4 @@
-"""``cpuflash`` / ``python -m cpuflash``: bench, info and demo."""
+"""``cpuflash`` / ``python -m cpuflash``: bench, warmup, info and demo."""
 import argparse
 import json
 import os
@@ -65,6 +65,7 @@ def bench(args):
     torch_run, torch_version = (None, None) if args.no_torch else _measure.torch_sdpa()
     if torch_run is not None:
         torch_run(*_measure.make_qkv(1, 1, 8, 8))
+    warmup_s = None if args.no_warmup else _warm_up(args, dtype)
     t_compile = time.perf_counter()
     q, k, v = _measure.make_qkv(1, 1, 8, 64, dtype)
     cpuflash.attention(q, k, v)
@@ -86,7 +87,7 @@ def bench(args):
     report["meta"] = {
         "cpuflash": cpuflash.__version__, "numba": _numba_version(), "numpy": np.__version__,
         "torch": torch_version, "threads": cpuflash.get_num_threads(),
-        "first_call_s": round(t_compile, 3), "cpu": _cpu_name()}
+        "warmup_s": warmup_s, "first_call_s": round(t_compile, 3), "cpu": _cpu_name()}
     if args.json:
         json.dump(report, sys.stdout, indent=1)
         print()
@@ -96,6 +97,47 @@ def bench(args):
               "(halved for causal); x torch > 1 means cpuflash is faster; peak = RSS growth of "
               "one call beyond its inputs and outputs, in a fresh process; err = max abs error "
               "vs the float64 reference (head 0).")
+
+
+def _bench_kinds(args):
+    """The kernel families (``warmup.JOBS``) that ``bench`` with ``args`` calls."""
+    kinds = {"forward", "decode"}  # (the first call below is a decode step: Nq=8)
+    if args.plot:
+        return kinds
+    if args.section in ("backward", "all"):
+        kinds.add("backward")
+    return kinds
+
+
+def _bench_jobs(args, dtype):
+    """The ``warmup`` jobs of the kernels that ``bench`` with ``args`` calls: the families of
+    ``_bench_kinds`` in ``dtype``, and the decode section's, whose steps compute in float32
+    on a cache of each case's type."""
+    from . import warmup
+
+    names = warmup.job_names((dtype,), _bench_kinds(args))
+    if args.section in ("decode", "all") and not args.plot:
+        caches = {case[2] for case in (args.decode_case or DECODE_CASES)}
+        kinds = {"decode" if c == "float32" else f"decode-{c}" for c in caches}
+        names += [n for n in warmup.job_names(("float32",), kinds) if n not in names]
+    return names
+
+
+def _warm_up(args, dtype):
+    """Compile (or load) the kernels the run needs, one process per family at once
+    (``warmup.precompile``); returns the seconds it took, or None without a cache."""
+    from . import warmup
+
+    start = time.perf_counter()
+    results = warmup.precompile(_bench_jobs(args, dtype))
+    if not results:
+        return None
+    took = time.perf_counter() - start
+    failed = [n for n, (_, err) in results.items() if err]
+    print(f"kernels compiled or loaded in {took:.1f} s ({len(results)} families, "
+          f"{os.cpu_count()} processes at most)" + (f"; failed: {failed}" if failed else ""),
+          file=sys.stderr, flush=True)
+    return round(took, 1)
 
 
 def _bench_forward(args, shapes, dtype, torch_run):
@@ -287,9 +329,20 @@ def main(argv=None):
     p_bench.add_argument("--no-naive", action="store_true")
     p_bench.add_argument("--no-memory", action="store_true", help="skip the RSS subprocesses")
     p_bench.add_argument("--json", action="store_true", help="machine-readable output")
+    p_bench.add_argument("--no-warmup", action="store_true",
+                         help="compile in this process, one kernel at a time (see warmup)")
     p_bench.add_argument("--plot", metavar="OUT.png",
                          help="only sweep N and save throughput and memory plots (matplotlib)")
     p_bench.set_defaults(func=bench)
+    p_warm = sub.add_parser("warmup", help="compile the kernels into Numba's cache, one "
+                            "process per kernel family at once")
+    p_warm.add_argument("--dtype", action="append", choices=["float32", "float64", "float16"],
+                        help="compute dtypes (repeatable; default float32)")
+    p_warm.add_argument("--kind", action="append", choices=sorted(_warmup_kinds()),
+                        help="kernel families (repeatable; default all)")
+    p_warm.add_argument("--processes", type=int, default=0,
+                        help="at once (default: the CPU count)")
+    p_warm.set_defaults(func=warmup_command)
     p_info = sub.add_parser("info", help="CPU features, tiles, threads, cache")
     p_info.add_argument("--json", action="store_true")
     p_info.set_defaults(func=info)
@@ -301,6 +354,31 @@ def main(argv=None):
     p_demo.set_defaults(func=demo)
     args = parser.parse_args(argv)
     return args.func(args) or 0
+
+
+def _warmup_kinds():
+    from .warmup import JOBS
+    return JOBS
+
+
+def warmup_command(args):
+    from . import warmup
+
+    if args.processes < 0:
+        raise SystemExit(f"cpuflash warmup: --processes must be >= 0, got {args.processes}")
+    names = warmup.job_names(args.dtype or ("float32",), args.kind)
+    if not names:
+        raise SystemExit("cpuflash warmup: no kernel family for these --dtype/--kind "
+                         f"(the decode-float16/-int8 families compute in float32)")
+    start = time.perf_counter()
+    results = warmup.precompile(names, processes=args.processes or None)
+    if not results:
+        print("cpuflash warmup: kernels are not cached (CPUFLASH_DISABLE_CACHE): nothing to do")
+        return 0
+    for name, (seconds, error) in results.items():
+        print(f"{name:24s} {seconds:6.1f} s" + (f"  FAILED: {error.strip()}" if error else ""))
+    print(f"{'all':24s} {time.perf_counter() - start:6.1f} s")
+    return 1 if any(err for _, err in results.values()) else 0
 
 
 def demo(args):

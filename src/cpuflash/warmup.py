@@ -1,0 +1,109 @@
+"""Compile the CPU kernels ahead of their first use, several processes at once.
+
+Numba compiles one function at a time on one core, and the kernels here take 25-45 s each
+(forward, backward, one decode kernel per K/V cache type) on this project's 2-core machines.
+What it compiles goes to its on-disk cache, which every later process reads in well under a
+second. ``precompile`` runs one small call per kernel family (``JOBS``), each in a fresh
+process, as many at once as there are cores: on a fresh machine the compilation takes about
+as long as its longest part instead of the sum of all of them. Where the cache already holds a
+kernel, its job only loads it (a second or two, mostly the import of numba).
+
+The jobs call the public API on tiny shapes; the kernels compile once per dtype combination,
+whatever the shapes (``_cpu/_jit.Kernel``), so what they compile is what larger calls use.
+"""
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from . import config
+
+# The families, each one process: (name, compute dtype). float16 inputs compute in float32,
+# so "float32" covers them; the decode kernel compiles once per K/V storage type.
+JOBS = {
+    "forward": ("float32", "float64"),
+    "backward": ("float32", "float64"),
+    "decode": ("float32", "float64"),
+    "decode-float16": ("float32",),
+    "decode-int8": ("float32",),
+}
+
+
+def job_names(dtypes=("float32",), kinds=None):
+    """``kind:dtype`` names of the jobs for ``dtypes`` (compute dtypes; float16 counts as
+    float32) and ``kinds`` (keys of ``JOBS``; None for all)."""
+    names = []
+    wanted = {"float32" if np.dtype(d) == np.float16 else np.dtype(d).name for d in dtypes}
+    for kind, dtypes_of_kind in JOBS.items():
+        if kinds is not None and kind not in kinds:
+            continue
+        names += [f"{kind}:{d}" for d in dtypes_of_kind if d in wanted]
+    return names
+
+
+def run_job(name):
+    """Run job ``name`` (``kind:dtype``) in this process: a tiny call that compiles, or loads
+    from the cache, that family's kernels."""
+    import cpuflash
+    kind, dtype = name.split(":")
+    if kind not in JOBS or dtype not in JOBS[kind]:
+        raise ValueError(f"unknown warm-up job {name!r}; expected one of "
+                         f"{job_names(('float32', 'float64'))}")
+    rng = np.random.default_rng(0)
+    dt = np.dtype(dtype)
+    # Nq above the decode path's limit (decode.MAX_NQ) for the tiled kernels, 1 for decode
+    n_q = 1 if kind.startswith("decode") else 40
+    q = rng.standard_normal((1, 2, n_q, 16)).astype(dt)
+    k, v = (rng.standard_normal((1, 2, 40, 16)).astype(dt) for _ in range(2))
+    if kind == "forward":
+        cpuflash.attention(q, k, v, return_lse=True)
+    elif kind == "backward":  # out and lse from the reference: no forward kernel compiled here
+        out, lse = cpuflash.reference.attention(q, k, v, return_lse=True)
+        cpuflash.attention_backward(q, q, k, v, out.astype(dt), lse.astype(dt))
+    else:  # decode, from a KVCache in the job's storage type
+        store = kind.split("-")[1] if "-" in kind else dtype
+        cache = cpuflash.KVCache(1, 1, 2, 40, 16, dtype=store)
+        cache.append(0, k, v)
+        k_c, v_c, opts = cache.view(0)
+        cpuflash.attention(q, k_c, v_c, **opts)
+
+
+def precompile(names=None, processes=None, timeout_s=900):
+    """Compile (or load) the kernels of the jobs ``names`` (``job_names()``'s: the float32
+    ones if None) in separate processes, ``processes`` at a time (default: the CPU count).
+    Returns ``{name: (seconds, error text or None)}``; a failed job is reported, not raised:
+    the kernel then compiles in the process that calls it, as without a warm-up. Returns {}
+    where kernels are not cached (``CPUFLASH_DISABLE_CACHE``): a warm-up would be lost."""
+    if not config.CACHE_ENABLED:
+        return {}
+    names = job_names() if names is None else list(names)
+    for name in names:
+        kind, _, dtype = name.partition(":")
+        if dtype not in JOBS.get(kind, ()):
+            raise ValueError(f"precompile: unknown job {name!r}; expected names from "
+                             f"{job_names(('float32', 'float64'))}")
+    processes = processes or os.cpu_count() or 1
+    if processes < 1:
+        raise ValueError(f"precompile: processes must be at least 1, got {processes}")
+    # One thread per job process: the tiny calls need no more, and the compilations none.
+    env = dict(os.environ, NUMBA_NUM_THREADS="1")
+    code = "import sys; from cpuflash.warmup import run_job; run_job(sys.argv[1])"
+
+    def one(name):
+        start = time.perf_counter()
+        try:
+            proc = subprocess.run([sys.executable, "-c", code, name], capture_output=True,
+                                  text=True, env=env, timeout=timeout_s)
+            error = None if proc.returncode == 0 else proc.stderr[-2000:] or "failed"
+        except subprocess.TimeoutExpired:
+            error = f"timed out after {timeout_s} s"
+        return name, (time.perf_counter() - start, error)
+
+    # Longest first (the backward and decode kernels), so the last to start is a short one.
+    order = sorted(names, key=lambda n: n.startswith("forward"))
+    with ThreadPoolExecutor(max_workers=min(processes, max(1, len(order)))) as pool:
+        done = dict(pool.map(one, order))
+    return {name: done[name] for name in names}
