@@ -36,8 +36,13 @@ def test_unknown_job_in_the_job_process():
         warmup.run_job("decode-int8:float64")
 
 
-def test_without_a_cache_nothing_runs(monkeypatch):
-    monkeypatch.setattr(config, "CACHE_ENABLED", False)
+@pytest.mark.parametrize("why", ["disabled", "unwritable"])
+def test_without_a_cache_nothing_runs(why, monkeypatch):
+    from cpuflash._cpu import _jit
+    if why == "disabled":  # CPUFLASH_DISABLE_CACHE=1
+        monkeypatch.setattr(config, "CACHE_ENABLED", False)
+    else:  # kernels compiled in memory: no writable cache location at import
+        monkeypatch.setattr(_jit, "cache_fallbacks", ["forward"])
     monkeypatch.setattr(warmup.subprocess, "run", None)
     assert warmup.precompile() == {}
 

@@ -373,7 +373,8 @@ def warmup_command(args):
     start = time.perf_counter()
     results = warmup.precompile(names, processes=args.processes or None)
     if not results:
-        print("cpuflash warmup: kernels are not cached (CPUFLASH_DISABLE_CACHE): nothing to do")
+        print("cpuflash warmup: kernels are not cached (CPUFLASH_DISABLE_CACHE, or no writable "
+              "cache location): nothing to do")
         return 0
     for name, (seconds, error) in results.items():
         print(f"{name:24s} {seconds:6.1f} s" + (f"  FAILED: {error.strip()}" if error else ""))

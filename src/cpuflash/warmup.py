@@ -76,8 +76,11 @@ def precompile(names=None, processes=None, timeout_s=900):
     ones if None) in separate processes, ``processes`` at a time (default: the CPU count).
     Returns ``{name: (seconds, error text or None)}``; a failed job is reported, not raised:
     the kernel then compiles in the process that calls it, as without a warm-up. Returns {}
-    where kernels are not cached (``CPUFLASH_DISABLE_CACHE``): a warm-up would be lost."""
-    if not config.CACHE_ENABLED:
+    where kernels are not cached (``CPUFLASH_DISABLE_CACHE``, or no writable cache location,
+    where ``_cpu/_jit.py`` compiles in memory): a warm-up would be lost."""
+    from . import api  # noqa: F401  (imports the kernel modules: their cache fallbacks known)
+    from ._cpu import _jit
+    if not config.CACHE_ENABLED or _jit.cache_fallbacks:
         return {}
     names = job_names() if names is None else list(names)
     for name in names:
