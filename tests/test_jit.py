@@ -111,3 +111,54 @@ def test_helper_compiles_once_for_constant_arguments():
     kern = _jit.kernel(fn, parallel=False)
     assert kern(np.arange(1.0, 4.0)) == 2.0 + 2.0 + 6.0
     assert [sig[1:] for sig in help_.signatures] == [(types.int64, types.boolean)]
+
+
+_SAVER = r"""
+import sys
+from numba.core.caching import IndexDataCacheFile
+from cpuflash._cpu import _jit
+path, who, locked = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+cache_file = IndexDataCacheFile(path, "toy", ("stamp",))
+if locked:
+    _jit._lock_saves(cache_file)
+for i in range(150):
+    cache_file.save(f"{who}{i}", f"{who}{i}" * 50)
+"""
+
+
+@pytest.mark.skipif(not _jit.SAVES_LOCKED, reason="no flock on this platform")
+def test_cache_saves_from_processes_at_once_keep_every_entry(tmp_path):
+    """Two processes saving new entries of one cache file at once (as ``cpuflash warmup``'s
+    jobs do for shared helpers): every entry is kept and loads its own data. (Unlocked, Numba's
+    saves lose entries and point some at the other process's data.)"""
+    import subprocess
+    import sys
+
+    procs = [subprocess.Popen([sys.executable, "-c", _SAVER, str(tmp_path), who, "1"])
+             for who in "ab"]
+    assert [p.wait(timeout=300) for p in procs] == [0, 0]
+    from numba.core.caching import IndexDataCacheFile
+    cache_file = IndexDataCacheFile(str(tmp_path), "toy", ("stamp",))
+    for key in [f"{who}{i}" for who in "ab" for i in range(150)]:
+        assert cache_file.load(key) == key * 50, key
+
+
+@pytest.mark.skipif(not _jit.SAVES_LOCKED, reason="no flock on this platform")
+def test_cache_saves_wait_for_the_lock(tmp_path):
+    import fcntl
+    import threading
+
+    from numba.core.caching import IndexDataCacheFile
+    cache_file = IndexDataCacheFile(str(tmp_path), "toy", ("stamp",))
+    _jit._lock_saves(cache_file)
+    with open(_jit.lock_path(cache_file), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process's save, as far as flock can tell
+        saver = threading.Thread(target=cache_file.save, args=("key", "data"))
+        saver.start()
+        saver.join(0.5)
+        assert saver.is_alive() and not list(tmp_path.glob("*.nbi"))
+        fcntl.flock(lock, fcntl.LOCK_UN)
+    saver.join(30)
+    assert not saver.is_alive() and cache_file.load("key") == "data"
+    # and the kernels' own cache files save that way
+    assert forward.forward.compiler._cache._cache_file.save.__name__ == "locked_save"

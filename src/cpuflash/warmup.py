@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from . import config
+from ._cpu import _jit
 
 # The families, each one process: (name, compute dtype). float16 inputs compute in float32,
 # so "float32" covers them; the decode kernel compiles once per K/V storage type.
@@ -79,7 +80,6 @@ def precompile(names=None, processes=None, timeout_s=900):
     where kernels are not cached (``CPUFLASH_DISABLE_CACHE``, or no writable cache location,
     where ``_cpu/_jit.py`` compiles in memory): a warm-up would be lost."""
     from . import api  # noqa: F401  (imports the kernel modules: their cache fallbacks known)
-    from ._cpu import _jit
     if not config.CACHE_ENABLED or _jit.cache_fallbacks:
         return {}
     names = job_names() if names is None else list(names)
@@ -91,6 +91,8 @@ def precompile(names=None, processes=None, timeout_s=900):
     processes = processes or os.cpu_count() or 1
     if processes < 1:
         raise ValueError(f"precompile: processes must be at least 1, got {processes}")
+    if not _jit.SAVES_LOCKED:  # concurrent saves could mix up cache entries (_cpu/_jit.py)
+        processes = 1
     # One thread per job process: the tiny calls need no more, and the compilations none.
     env = dict(os.environ, NUMBA_NUM_THREADS="1")
     code = "import sys; from cpuflash.warmup import run_job; run_job(sys.argv[1])"

@@ -16,11 +16,19 @@
     first call of ``cpuflash bench`` in place of 0.44). The files' names now carry a hash of
     the tile configuration (``CONFIG_TAG``): each configuration has its own, and a change of
     the sources still overwrites them.
+  - Numba's save of a cache entry reads the index, takes the first free data-file number for
+    a new signature and writes both files; two processes saving new signatures of one function
+    at once (``cpuflash warmup``'s, or a user's worker processes) can both take number 1, and
+    the index of one can then name the other's data: another signature's machine code, loaded
+    the next time. Every save here holds an exclusive lock on one file of the cache directory
+    (``_lock_saves``; POSIX ``flock``, where there is none saves stay unlocked and
+    ``warmup`` runs one process at a time).
   - Where no cache location is writable, Numba raises at decoration time; we fall back to
     compiling in memory instead of breaking ``import cpuflash``.
 """
 import hashlib
 import inspect
+import os
 import pathlib
 import threading
 import warnings
@@ -31,7 +39,14 @@ from numba.core import types
 
 from .. import config
 
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not POSIX
+    fcntl = None
+
 FASTMATH = {"contract"}
+SAVES_LOCKED = fcntl is not None  # whether cache saves are serialized across processes
+LOCK_NAME = "cpuflash-cache.lock"
 
 
 def _sources_stamp():
@@ -65,6 +80,7 @@ def _jit(fn, **flags):
             if cache_file is not None and hasattr(cache_file, "_source_stamp"):
                 cache_file._source_stamp = SOURCES_STAMP
                 _name_by_config(cache_file)
+                _lock_saves(cache_file)
             return dispatcher
     return numba.njit(cache=False, **flags)(fn)
 
@@ -81,6 +97,29 @@ def _name_by_config(cache_file):
     cache_file._index_name = f"{base}.nbi"
     cache_file._index_path = str(pathlib.Path(cache_file._cache_path) / cache_file._index_name)
     cache_file._data_name_pattern = base + pattern[len(index) - 4:]
+
+
+def lock_path(cache_file):
+    """The lock file of ``cache_file``'s directory (see ``_lock_saves``)."""
+    return os.path.join(cache_file._cache_path, LOCK_NAME)
+
+
+def _lock_saves(cache_file):
+    """``cache_file.save`` (Numba's read of the index, choice of a data file, writes) made
+    whole across processes: it runs holding an exclusive ``flock`` on ``lock_path``."""
+    if not SAVES_LOCKED or not hasattr(cache_file, "save"):
+        return
+    save = cache_file.save
+
+    def locked_save(key, data):
+        with open(lock_path(cache_file), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                return save(key, data)
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    cache_file.save = locked_save
 
 
 class Kernel:
