@@ -47,8 +47,10 @@ def test_without_a_cache_nothing_runs(why, monkeypatch):
     assert warmup.precompile() == {}
 
 
-def test_a_failed_job_is_reported_not_raised(monkeypatch):
-    monkeypatch.setattr(warmup.sys, "executable", "false")  # exits 1 whatever its arguments
+@pytest.mark.parametrize("executable", ["false", "/nonexistent/python"])
+def test_a_failed_job_is_reported_not_raised(executable, monkeypatch):
+    # "false" exits 1 whatever its arguments; the other cannot be started at all
+    monkeypatch.setattr(warmup.sys, "executable", executable)
     (seconds, error), = warmup.precompile(["decode:float32"]).values()
     assert seconds >= 0 and error
 

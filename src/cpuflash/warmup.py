@@ -105,6 +105,8 @@ def precompile(names=None, processes=None, timeout_s=900):
             error = None if proc.returncode == 0 else proc.stderr[-2000:] or "failed"
         except subprocess.TimeoutExpired:
             error = f"timed out after {timeout_s} s"
+        except OSError as exc:  # no interpreter to start (an embedded Python, say)
+            error = f"could not start {sys.executable!r}: {exc}"
         return name, (time.perf_counter() - start, error)
 
     # Longest first (the backward and decode kernels), so the last to start is a short one.
