@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from cpuflash import cli
@@ -39,7 +40,7 @@ def test_bench_warms_up_the_kernels_it_calls(argv, jobs, monkeypatch):
     monkeypatch.setattr(cli, "bench", lambda args: seen.setdefault("args", args))
     cli.main(["bench", *argv])
     args = seen["args"]
-    assert cli._bench_jobs(args, __import__("numpy").dtype(args.dtype)) == jobs
+    assert cli._bench_jobs(args, np.dtype(args.dtype)) == jobs
 
 
 def test_info_json(capsys):
@@ -62,6 +63,23 @@ def test_info_names_the_cuda_kernel_cache(setting, tmp_path, monkeypatch, capsys
     shown = json.loads(capsys.readouterr().out)["cuda_kernel_cache"]
     assert shown == (where if setting == "custom" else "off (CPUFLASH_CUDA_CACHE_DIR=0)")
     assert not (tmp_path / "kernels").exists()  # reported, not created
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--processes", "-1"], "--processes must be >= 0"),
+    (["--dtype", "float64", "--kind", "decode-int8"], "no kernel family"),
+])
+def test_bad_warmup_options(argv, match, monkeypatch):
+    from cpuflash import warmup
+    monkeypatch.setattr(warmup.subprocess, "run", None)  # refused before any process
+    with pytest.raises(SystemExit, match=match):
+        cli.main(["warmup", *argv])
+
+
+@pytest.mark.parametrize("option", [["--kind", "sideways"], ["--dtype", "int8"]])
+def test_warmup_choices(option):
+    with pytest.raises(SystemExit):
+        cli.main(["warmup", *option])
 
 
 @pytest.mark.parametrize("option", [["--shape", "1,2,64"], ["--decode-case", "2,300,int4"]])

@@ -19,21 +19,63 @@ def test_job_names():
                                               "decode:float64"]
 
 
-@pytest.mark.parametrize("names, processes, match", [
-    (["forward:float16"], None, "unknown job 'forward:float16'"),
-    (["sideways:float32"], None, "unknown job"),
-    (["forward"], None, "unknown job"),
-    (["forward:float32"], -1, "processes must be at least 1"),
+@pytest.mark.parametrize("dtypes, kinds, error, match", [
+    (("int8",), None, ValueError, r"dtypes: expected some of .*\['int8'\]"),
+    (("no such type",), None, ValueError, "dtypes: expected"),
+    ("float32", None, TypeError, "dtypes: expected a list"),
+    (("float32",), ["forwards"], ValueError, r"kinds: expected some of .*\['forwards'\]"),
+    (("float32",), "forward", TypeError, "kinds: expected a list"),
 ])
-def test_bad_jobs_are_refused_before_any_process(names, processes, match, monkeypatch):
+def test_bad_job_names_arguments(dtypes, kinds, error, match):
+    with pytest.raises(error, match=match):
+        warmup.job_names(dtypes, kinds)
+
+
+@pytest.mark.parametrize("names, kwargs, error, match", [
+    (["forward:float16"], {}, ValueError, "precompile: unknown job 'forward:float16'"),
+    (["sideways:float32"], {}, ValueError, "unknown job"),
+    (["forward"], {}, ValueError, "unknown job"),
+    ("forward:float32", {}, TypeError, "names: expected a list"),
+    (["forward:float32"], {"processes": -1}, ValueError, "processes must be at least 1"),
+    (["forward:float32"], {"processes": 0}, ValueError, "processes must be at least 1"),
+    (["forward:float32"], {"processes": 1.5}, TypeError, "processes must be an integer"),
+    (["forward:float32"], {"processes": True}, TypeError, "processes must be an integer"),
+    (["forward:float32"], {"timeout_s": 0}, ValueError, "timeout_s must be positive"),
+    (["forward:float32"], {"timeout_s": "60"}, TypeError, "timeout_s must be a number"),
+])
+def test_bad_jobs_are_refused_before_any_process(names, kwargs, error, match, monkeypatch):
     monkeypatch.setattr(warmup.subprocess, "run", None)  # a started process would fail
-    with pytest.raises(ValueError, match=match):
-        warmup.precompile(names, processes=processes)
+    with pytest.raises(error, match=match):
+        warmup.precompile(names, **kwargs)
 
 
-def test_unknown_job_in_the_job_process():
-    with pytest.raises(ValueError, match="unknown warm-up job"):
-        warmup.run_job("decode-int8:float64")
+@pytest.mark.parametrize("name", ["decode-int8:float64", "forward"])
+def test_unknown_job_in_the_job_process(name):
+    with pytest.raises(ValueError, match="run_job: unknown job"):
+        warmup.run_job(name)
+
+
+def test_processes_default_to_the_cpu_count(monkeypatch):
+    """None: as many at once as there are cores (each job sees how many run beside it)."""
+    import threading
+    running, most = [0], [0]
+    lock = threading.Lock()
+
+    def fake_run(*args, **kwargs):
+        import time
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.2)
+        with lock:
+            running[0] -= 1
+        return subprocess.CompletedProcess(args, 0, "", "")
+
+    monkeypatch.setattr(warmup.subprocess, "run", fake_run)
+    monkeypatch.setattr(warmup.os, "cpu_count", lambda: 3)
+    results = warmup.precompile(warmup.job_names(("float32", "float64")))
+    assert len(results) == 8 and not any(err for _, err in results.values())
+    assert most[0] == (3 if warmup._jit.SAVES_LOCKED else 1)
 
 
 @pytest.mark.parametrize("why", ["disabled", "unwritable"])

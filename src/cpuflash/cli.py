@@ -8,6 +8,8 @@ import time
 
 import numpy as np
 
+from . import warmup
+
 # (B, H, N, D, causal): the main job on built-in defaults, about a minute with torch installed.
 DEFAULT_SHAPES = [
     (1, 8, 512, 64, False),
@@ -99,26 +101,18 @@ def bench(args):
               "vs the float64 reference (head 0).")
 
 
-def _bench_kinds(args):
-    """The kernel families (``warmup.JOBS``) that ``bench`` with ``args`` calls."""
-    kinds = {"forward", "decode"}  # (the first call below is a decode step: Nq=8)
-    if args.plot:
-        return kinds
-    if args.section in ("backward", "all"):
-        kinds.add("backward")
-    return kinds
-
-
 def _bench_jobs(args, dtype):
-    """The ``warmup`` jobs of the kernels that ``bench`` with ``args`` calls: the families of
-    ``_bench_kinds`` in ``dtype``, and the decode section's, whose steps compute in float32
-    on a cache of each case's type."""
-    from . import warmup
-
-    names = warmup.job_names((dtype,), _bench_kinds(args))
+    """The ``warmup`` jobs of the kernels that ``bench`` with ``args`` calls: forward and
+    decode (its first call is a decode step, Nq=8) and, with the backward section, backward,
+    in ``dtype``; and the decode section's, whose steps compute in float32 on a cache of each
+    case's type."""
+    kinds = ["forward", "decode"]
+    if args.section in ("backward", "all") and not args.plot:
+        kinds.append("backward")
+    names = warmup.job_names((dtype,), kinds)
     if args.section in ("decode", "all") and not args.plot:
         caches = {case[2] for case in (args.decode_case or DECODE_CASES)}
-        kinds = {"decode" if c == "float32" else f"decode-{c}" for c in caches}
+        kinds = ["decode" if c == "float32" else f"decode-{c}" for c in caches]
         names += [n for n in warmup.job_names(("float32",), kinds) if n not in names]
     return names
 
@@ -126,16 +120,14 @@ def _bench_jobs(args, dtype):
 def _warm_up(args, dtype):
     """Compile (or load) the kernels the run needs, one process per family at once
     (``warmup.precompile``); returns the seconds it took, or None without a cache."""
-    from . import warmup
-
     start = time.perf_counter()
     results = warmup.precompile(_bench_jobs(args, dtype))
     if not results:
         return None
     took = time.perf_counter() - start
     failed = [n for n, (_, err) in results.items() if err]
-    print(f"kernels compiled or loaded in {took:.1f} s ({len(results)} families, "
-          f"{os.cpu_count()} processes at most)" + (f"; failed: {failed}" if failed else ""),
+    print(f"kernels compiled or loaded in {took:.1f} s ({len(results)} families in processes "
+          "of their own; cpuflash warmup)" + (f"; failed: {failed}" if failed else ""),
           file=sys.stderr, flush=True)
     return round(took, 1)
 
@@ -338,7 +330,7 @@ def main(argv=None):
                             "process per kernel family at once")
     p_warm.add_argument("--dtype", action="append", choices=["float32", "float64", "float16"],
                         help="compute dtypes (repeatable; default float32)")
-    p_warm.add_argument("--kind", action="append", choices=sorted(_warmup_kinds()),
+    p_warm.add_argument("--kind", action="append", choices=list(warmup.JOBS),
                         help="kernel families (repeatable; default all)")
     p_warm.add_argument("--processes", type=int, default=0,
                         help="at once (default: the CPU count)")
@@ -356,14 +348,7 @@ def main(argv=None):
     return args.func(args) or 0
 
 
-def _warmup_kinds():
-    from .warmup import JOBS
-    return JOBS
-
-
 def warmup_command(args):
-    from . import warmup
-
     if args.processes < 0:
         raise SystemExit(f"cpuflash warmup: --processes must be >= 0, got {args.processes}")
     names = warmup.job_names(args.dtype or ("float32",), args.kind)

@@ -11,6 +11,7 @@ kernel, its job only loads it (a second or two, mostly the import of numba).
 The jobs call the public API on tiny shapes; the kernels compile once per dtype combination,
 whatever the shapes (``_cpu/_jit.Kernel``), so what they compile is what larger calls use.
 """
+import numbers
 import os
 import subprocess
 import sys
@@ -33,11 +34,38 @@ JOBS = {
 }
 
 
+FLOAT_DTYPES = ("float16", "float32", "float64")
+
+
+def _sequence(value, name):
+    """``value`` as a list, for arguments that take several names: a lone string would be
+    taken letter by letter."""
+    if isinstance(value, (str, bytes)):
+        raise TypeError(f"{name}: expected a list or tuple of names, got the string {value!r}")
+    return list(value)
+
+
+def _dtype_name(d):
+    try:
+        return np.dtype(d).name
+    except TypeError:  # not a dtype at all
+        return None
+
+
 def job_names(dtypes=("float32",), kinds=None):
-    """``kind:dtype`` names of the jobs for ``dtypes`` (compute dtypes; float16 counts as
-    float32) and ``kinds`` (keys of ``JOBS``; None for all)."""
+    """``kind:dtype`` names of the jobs for ``dtypes`` (float16, float32, float64; float16
+    computes in float32) and ``kinds`` (keys of ``JOBS``; None for all)."""
+    dtypes = _sequence(dtypes, "dtypes")
+    bad = [d for d in dtypes if _dtype_name(d) not in FLOAT_DTYPES]
+    if bad:
+        raise ValueError(f"dtypes: expected some of {FLOAT_DTYPES}, got {bad}")
+    if kinds is not None:
+        kinds = _sequence(kinds, "kinds")
+        unknown = [k for k in kinds if k not in JOBS]
+        if unknown:
+            raise ValueError(f"kinds: expected some of {list(JOBS)}, got {unknown}")
+    wanted = {"float32" if _dtype_name(d) == "float16" else _dtype_name(d) for d in dtypes}
     names = []
-    wanted = {"float32" if np.dtype(d) == np.float16 else np.dtype(d).name for d in dtypes}
     for kind, dtypes_of_kind in JOBS.items():
         if kinds is not None and kind not in kinds:
             continue
@@ -45,14 +73,20 @@ def job_names(dtypes=("float32",), kinds=None):
     return names
 
 
+def _check_job(name, who):
+    """``name`` split into ``(kind, dtype)``; ValueError naming ``who`` unless it is a job."""
+    kind, _, dtype = str(name).partition(":")
+    if dtype not in JOBS.get(kind, ()):
+        raise ValueError(f"{who}: unknown job {name!r}; expected one of "
+                         f"{job_names(('float32', 'float64'))}")
+    return kind, dtype
+
+
 def run_job(name):
     """Run job ``name`` (``kind:dtype``) in this process: a tiny call that compiles, or loads
     from the cache, that family's kernels."""
     import cpuflash
-    kind, dtype = name.split(":")
-    if kind not in JOBS or dtype not in JOBS[kind]:
-        raise ValueError(f"unknown warm-up job {name!r}; expected one of "
-                         f"{job_names(('float32', 'float64'))}")
+    kind, dtype = _check_job(name, "run_job")
     rng = np.random.default_rng(0)
     dt = np.dtype(dtype)
     # Nq above the decode path's limit (decode.MAX_NQ) for the tiled kernels, 1 for decode
@@ -74,7 +108,8 @@ def run_job(name):
 
 def precompile(names=None, processes=None, timeout_s=900):
     """Compile (or load) the kernels of the jobs ``names`` (``job_names()``'s: the float32
-    ones if None) in separate processes, ``processes`` at a time (default: the CPU count).
+    ones if None) in separate processes, ``processes`` at a time (default: the CPU count),
+    each given ``timeout_s`` seconds.
     Returns ``{name: (seconds, error text or None)}``; a failed job is reported, not raised:
     the kernel then compiles in the process that calls it, as without a warm-up. Returns {}
     where kernels are not cached (``CPUFLASH_DISABLE_CACHE``, or no writable cache location,
@@ -82,13 +117,17 @@ def precompile(names=None, processes=None, timeout_s=900):
     from . import api  # noqa: F401  (imports the kernel modules: their cache fallbacks known)
     if not config.CACHE_ENABLED or _jit.cache_fallbacks:
         return {}
-    names = job_names() if names is None else list(names)
+    names = job_names() if names is None else _sequence(names, "names")
     for name in names:
-        kind, _, dtype = name.partition(":")
-        if dtype not in JOBS.get(kind, ()):
-            raise ValueError(f"precompile: unknown job {name!r}; expected names from "
-                             f"{job_names(('float32', 'float64'))}")
-    processes = processes or os.cpu_count() or 1
+        _check_job(name, "precompile")
+    if processes is not None and (isinstance(processes, bool)
+                                  or not isinstance(processes, numbers.Integral)):
+        raise TypeError(f"precompile: processes must be an integer or None, got {processes!r}")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real):
+        raise TypeError(f"precompile: timeout_s must be a number, got {timeout_s!r}")
+    if not timeout_s > 0:
+        raise ValueError(f"precompile: timeout_s must be positive, got {timeout_s}")
+    processes = (os.cpu_count() or 1) if processes is None else int(processes)
     if processes < 1:
         raise ValueError(f"precompile: processes must be at least 1, got {processes}")
     if not _jit.SAVES_LOCKED:  # concurrent saves could mix up cache entries (_cpu/_jit.py)
