@@ -97,22 +97,6 @@ def test_first_calls_from_threads_at_once():
     assert not errors and sorted(results) == [0.0, 1.0, 2.0, 3.0]
 
 
-def test_helper_compiles_once_for_constant_arguments():
-    """A helper called with constants (Numba types them as literals: ``Literal[int](0)``,
-    ``Literal[bool](True)``) compiles once for their plain types, not once per value."""
-    def scaled(x, i, flag):
-        return x[i] * (2.0 if flag else 1.0)
-
-    help_ = _jit.helper(scaled)
-
-    def fn(x):
-        return help_(x, 0, True) + help_(x, 1, False) + help_(x, 2, True)
-
-    kern = _jit.kernel(fn, parallel=False)
-    assert kern(np.arange(1.0, 4.0)) == 2.0 + 2.0 + 6.0
-    assert [sig[1:] for sig in help_.signatures] == [(types.int64, types.boolean)]
-
-
 _SAVER = r"""
 import sys
 from numba.core.caching import IndexDataCacheFile

@@ -125,18 +125,14 @@ def pack_tiles(k, v, block_k, w, kt, vtt, kn, vn):
     end_vtt = end_kt + vtt.shape[0] * vtt.shape[1]
     end_kn = end_vtt + kn.shape[0] * kn.shape[1]
     for task in prange(end_kn + vn.shape[0] * vn.shape[1]):
-        # int64, as everywhere (tasks.py): the index is int64 where Numba types this loop
-        # and unsigned in the parallel function it compiles from it, and the helpers would
-        # compile once for each.
-        t = np.int64(task)
-        if t < end_kt:
-            keys_transposed_task(kf, n_k, d, block_k, n_blocks, w, ktf, t)
-        elif t < end_vtt:
-            keys_transposed_task(vf, n_k, dv, block_k, n_blocks, w, vttf, t - end_kt)
-        elif t < end_kn:
-            values_task(kf, n_k, d, block_k, n_blocks, w, True, knf, t - end_vtt)
+        if task < end_kt:
+            keys_transposed_task(kf, n_k, d, block_k, n_blocks, w, ktf, task)
+        elif task < end_vtt:
+            keys_transposed_task(vf, n_k, dv, block_k, n_blocks, w, vttf, task - end_kt)
+        elif task < end_kn:
+            values_task(kf, n_k, d, block_k, n_blocks, w, True, knf, task - end_vtt)
         else:
-            values_task(vf, n_k, dv, block_k, n_blocks, w, False, vnf, t - end_kn)
+            values_task(vf, n_k, dv, block_k, n_blocks, w, False, vnf, task - end_kn)
 
 
 @kernel(strided=("v",))
