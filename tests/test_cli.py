@@ -24,6 +24,15 @@ def test_bench_json_on_a_tiny_shape(capsys):
     assert report["meta"]["threads"] >= 1 and report["meta"]["warmup_s"] is None
 
 
+def test_bench_measures_peak_memory_per_shape(capsys):
+    """Memory probes run up front, side by side; each row gets its own shape's."""
+    cli.main(["bench", "--shape", "1,1,64,16,0", "--repeats", "1", "--no-torch", "--no-naive",
+              "--decode-case", "2,300,float32", "--json", "--no-warmup"])
+    report = json.loads(capsys.readouterr().out)
+    for row in report["forward"] + report["backward"]:
+        assert 0 <= row["peak_mib"] < 16 and row["N"] == 64
+
+
 @pytest.mark.parametrize("argv, jobs", [
     ([], ["forward:float32", "backward:float32", "decode:float32", "decode-float16:float32",
           "decode-int8:float32"]),

@@ -108,6 +108,10 @@ COLD_BYTES = 600 << 20  # more than twice this machine's L3 (260 MiB): K/V come 
 
 
 DECODE_REPEATS = 100  # hot steps; a cold step runs a model's worth of layers: 20 of those
+# Seconds of rounds per implementation after which a decode case stops early: torch's
+# 10 ms hot step gets its best of ~50, a cold step of 19 layers (0.2 s) its best of ~10.
+DECODE_BUDGET_S = 0.5
+COLD_DECODE_BUDGET_S = 2.0
 
 
 def decode_case(h_kv, n_k, cache_dtype, cold=False, h_q=8, d=64, torch_run=None, seed=0):
@@ -156,9 +160,10 @@ def decode_case(h_kv, n_k, cache_dtype, cold=False, h_q=8, d=64, torch_run=None,
     # Best of as many for each and for the streaming read beside it: a hot step is short
     # and its best of a few is mostly noise (measured: best of 10 0.81-0.86 ms, of 200 0.75).
     repeats = 20 if cold else DECODE_REPEATS
+    budget_s = COLD_DECODE_BUDGET_S if cold else DECODE_BUDGET_S
     best = {}
     for name, fn in fns.items():
-        best.update(time_side_by_side({name: fn}, repeats=repeats))
+        best.update(time_side_by_side({name: fn}, repeats=repeats, budget_s=budget_s))
     t = best["cpuflash"] / layers
     row = {"Hq": h_q, "Hkv": h_kv, "Nk": n_k, "D": d, "cache": cache_dtype,
            "mode": f"cold x{layers}" if cold else "hot", "ms": t * 1e3,
@@ -195,14 +200,16 @@ def _threads():
     return numba.get_num_threads()
 
 
-def time_side_by_side(fns, repeats=5, budget_s=10.0, settle_s=0.5):
+def time_side_by_side(fns, repeats=5, budget_s=10.0, settle_s=0.25):
     """Best-of-``repeats`` seconds of each zero-argument callable, interleaved round by round
     so that machine noise hits all of them alike. Each is called once first (warm-up).
 
     Do not interleave the naive numpy peer with the others: OpenBLAS's threads spin after each
     call and steal the cores from whatever runs next (measured: cpuflash 40 % slower, and
     2.3x slower for a few calls after the float64 reference's matmul). For the same reason it
-    first waits ``settle_s`` for any earlier BLAS call's threads to go to sleep."""
+    first waits ``settle_s`` for any earlier BLAS call's threads to go to sleep (OpenBLAS
+    spins about 2**28 cycles, 0.1 s; a 2048 x 2048 float64 matmul then 0.25 s of sleep:
+    cpuflash's next call at its usual time, 93 ms after 0.1 s against 73-79 after 0.25-0.5)."""
     time.sleep(settle_s)
     for fn in fns.values():
         fn()
@@ -293,22 +300,49 @@ def peak_memory_growth(b, h, n, d, causal=False, impl="cpuflash", every_option=F
     return json.loads(proc.stdout.strip().splitlines()[-1])["growth_bytes"]
 
 
+def peak_memory_growths(probes, processes=None):
+    """``peak_memory_growth`` of each of ``probes`` (dicts of its keyword arguments), in
+    fresh processes run ``processes`` at a time (default: the CPU count). Each process
+    measures its own RSS, so running them side by side changes no figure; only the time of
+    the set does (they are run before, not while, anything is timed)."""
+    from concurrent.futures import ThreadPoolExecutor
+    workers = max(1, min(len(probes), processes or os.cpu_count() or 1))
+    with ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(lambda p: peak_memory_growth(**p), probes))
+
+
 def max_error_vs_reference(out, q, k, v, causal, heads=1):
     """Max abs error of ``out`` against the float64 reference, on the first ``heads`` heads."""
+    return max_errors_vs_reference([out], q, k, v, causal, heads)[0]
+
+
+def max_errors_vs_reference(outs, q, k, v, causal, heads=1):
+    """``max_error_vs_reference`` of each of ``outs`` (cpuflash's, torch's: outputs of the same
+    inputs) against one float64 reference, computed once."""
     h = min(heads, q.shape[1])
-    ref = reference.attention(q[:1, :h], k[:1, : max(1, h * k.shape[1] // q.shape[1])],
-                              v[:1, : max(1, h * k.shape[1] // q.shape[1])], causal=causal)
-    return float(np.max(np.abs(out[:1, :h].astype(np.float64) - ref)))
+    h_kv = max(1, h * k.shape[1] // q.shape[1])
+    ref = reference.attention(q[:1, :h], k[:1, :h_kv], v[:1, :h_kv], causal=causal)
+    return [float(np.max(np.abs(out[:1, :h].astype(np.float64) - ref))) for out in outs]
 
 
 def max_grad_error_vs_reference(grads, q, k, v, dout, causal, heads=1):
     """Max abs error of (dq, dk, dv) against the float64 reference, on the first query heads
     (and the kv heads they read; with GQA a kv head's gradient sums its whole group, so the
     whole group is taken)."""
+    return max_grad_errors_vs_reference([grads], q, k, v, dout, causal, heads)[0]
+
+
+def max_grad_errors_vs_reference(grads_list, q, k, v, dout, causal, heads=1):
+    """``max_grad_error_vs_reference`` of each (dq, dk, dv) of ``grads_list`` against one
+    float64 reference backward, computed once."""
     group = q.shape[1] // k.shape[1]
     hq = max(group, min(heads, q.shape[1]) // group * group)
     hk = hq // group
     want = reference.attention_backward(dout[:1, :hq], q[:1, :hq], k[:1, :hk], v[:1, :hk],
                                         causal=causal)
-    got = (grads[0][:1, :hq], grads[1][:1, :hk], grads[2][:1, :hk])
-    return max(float(np.max(np.abs(g.astype(np.float64) - w))) for g, w in zip(got, want))
+    errors = []
+    for grads in grads_list:
+        got = (grads[0][:1, :hq], grads[1][:1, :hk], grads[2][:1, :hk])
+        errors.append(max(float(np.max(np.abs(g.astype(np.float64) - w)))
+                          for g, w in zip(got, want)))
+    return errors

@@ -10,16 +10,17 @@ import numpy as np
 
 from . import warmup
 
-# (B, H, N, D, causal): the main job on built-in defaults, about a minute with torch installed.
+# (B, H, N, D, causal): the main job on built-in defaults, about a minute with torch installed
+# and the kernels in the cache: the shapes the targets name. ``--long``: the whole sweep.
 DEFAULT_SHAPES = [
     (1, 8, 512, 64, False),
     (1, 8, 512, 128, False),
     (1, 8, 2048, 64, False),
     (1, 8, 2048, 64, True),
-    (1, 8, 2048, 128, False),
     (1, 8, 8192, 64, True),
 ]
 LONG_SHAPES = DEFAULT_SHAPES + [
+    (1, 8, 2048, 128, False),
     (1, 8, 512, 64, True),
     (1, 8, 8192, 64, False),
     (1, 8, 8192, 128, True),
@@ -29,14 +30,20 @@ BACKWARD_SHAPES = [
     (1, 8, 512, 64, False),
     (1, 8, 2048, 64, False),
     (1, 8, 2048, 64, True),
-    (1, 8, 8192, 64, True),
 ]
-LONG_BACKWARD_SHAPES = BACKWARD_SHAPES + [(1, 8, 512, 64, True), (1, 8, 8192, 64, False)]
+LONG_BACKWARD_SHAPES = BACKWARD_SHAPES + [
+    (1, 8, 8192, 64, True), (1, 8, 512, 64, True), (1, 8, 8192, 64, False)]
 # (Hkv, Nk, cache dtype, cold) of decode steps: Nq=1, Hq=8, D=64; cold = a model's worth of
 # layers whose K/V together exceed the L3 cache, so that they stream from DRAM.
-DECODE_CASES = ([(h_kv, n_k, cache, False) for n_k in (4096, 32768) for h_kv in (8, 2)
-                 for cache in ("float32", "float16", "int8")]
-                + [(2, 32768, cache, True) for cache in ("float32", "float16", "int8")])
+DECODE_CASES = ([(2, 4096, "float32", False), (8, 32768, "float32", False)]
+                + [(2, 32768, cache, False) for cache in ("float32", "float16", "int8")]
+                + [(2, 32768, cache, True) for cache in ("float32", "float16")])
+LONG_DECODE_CASES = ([(h_kv, n_k, cache, False) for n_k in (4096, 32768) for h_kv in (8, 2)
+                      for cache in ("float32", "float16", "int8")]
+                     + [(2, 32768, cache, True) for cache in ("float32", "float16", "int8")])
+# Seconds of side-by-side rounds per forward shape before it stops short of --repeats: the
+# best of 3 at N=8192 (1.3 s a round with torch), of all 5 below.
+FORWARD_BUDGET_S = 3.0
 NAIVE_MAX_BYTES = 2 << 30  # skip the naive peer when its score matrix would exceed 2 GiB
 
 
@@ -75,16 +82,16 @@ def bench(args):
     if args.plot:  # the sweep of the plot only, no tables
         from . import _plot
         return _plot.main(args, torch_run, torch_version)
+    forward_shapes, backward_shapes, decode_cases = _bench_cases(args)
+    peaks = {} if args.no_memory else _peak_memory(forward_shapes, backward_shapes)
     report = {}
-    if args.section in ("forward", "all"):
-        shapes = args.shape or (LONG_SHAPES if args.long else DEFAULT_SHAPES)
-        report["forward"] = _bench_forward(args, shapes, dtype, torch_run)
-    if args.section in ("backward", "all"):
-        shapes = args.shape or (LONG_BACKWARD_SHAPES if args.long else BACKWARD_SHAPES)
+    if forward_shapes:
+        report["forward"] = _bench_forward(args, forward_shapes, dtype, torch_run, peaks)
+    if backward_shapes:
         grad_run = None if args.no_torch else _measure.torch_sdpa_grad()
-        report["backward"] = _bench_backward(args, shapes, dtype, grad_run)
-    if args.section in ("decode", "all"):
-        report["decode"] = _bench_decode(args, None if args.no_torch else
+        report["backward"] = _bench_backward(args, backward_shapes, dtype, grad_run, peaks)
+    if decode_cases:
+        report["decode"] = _bench_decode(args, decode_cases, None if args.no_torch else
                                          _measure.torch_decode())
     report["meta"] = {
         "cpuflash": cpuflash.__version__, "numba": _numba_version(), "numpy": np.__version__,
@@ -101,6 +108,34 @@ def bench(args):
               "vs the float64 reference (head 0).")
 
 
+def _bench_cases(args):
+    """(forward shapes, backward shapes, decode cases) of the sections ``args`` asks for:
+    ``--shape``/``--decode-case`` if given, else the defaults or, with ``--long``, the whole
+    sweep; an empty list for a section not run."""
+    def section(name, given, default, long):
+        if args.section not in (name, "all"):
+            return []
+        return given or (long if args.long else default)
+
+    return (section("forward", args.shape, DEFAULT_SHAPES, LONG_SHAPES),
+            section("backward", args.shape, BACKWARD_SHAPES, LONG_BACKWARD_SHAPES),
+            section("decode", args.decode_case, DECODE_CASES, LONG_DECODE_CASES))
+
+
+def _peak_memory(forward_shapes, backward_shapes):
+    """Peak RSS growth in MiB of one call per shape, keyed by ("forward" | "backward", shape),
+    each in a fresh process, as many at once as there are cores, before anything is timed."""
+    from cpuflash import _measure
+
+    keys = ([("forward", s) for s in forward_shapes]
+            + [("backward", s) for s in backward_shapes])
+    probes = [{"b": b, "h": h, "n": n, "d": d, "causal": causal,
+               "impl": "cpuflash" if kind == "forward" else "cpuflash-grad"}
+              for kind, (b, h, n, d, causal) in keys]
+    return {key: growth / 2**20
+            for key, growth in zip(keys, _measure.peak_memory_growths(probes))}
+
+
 def _bench_jobs(args, dtype):
     """The ``warmup`` jobs of the kernels that ``bench`` with ``args`` calls: forward and
     decode (its first call is a decode step, Nq=8) and, with the backward section, backward,
@@ -110,8 +145,9 @@ def _bench_jobs(args, dtype):
     if args.section in ("backward", "all") and not args.plot:
         kinds.append("backward")
     names = warmup.job_names((dtype,), kinds)
-    if args.section in ("decode", "all") and not args.plot:
-        caches = {case[2] for case in (args.decode_case or DECODE_CASES)}
+    decode_cases = _bench_cases(args)[2]
+    if decode_cases and not args.plot:
+        caches = {case[2] for case in decode_cases}
         kinds = ["decode" if c == "float32" else f"decode-{c}" for c in caches]
         names += [n for n in warmup.job_names(("float32",), kinds) if n not in names]
     return names
@@ -132,7 +168,7 @@ def _warm_up(args, dtype):
     return round(took, 1)
 
 
-def _bench_forward(args, shapes, dtype, torch_run):
+def _bench_forward(args, shapes, dtype, torch_run, peaks):
     import cpuflash
     from cpuflash import _measure
 
@@ -142,26 +178,28 @@ def _bench_forward(args, shapes, dtype, torch_run):
         fns = {"cpuflash": lambda: cpuflash.attention(q, k, v, causal=causal)}
         if torch_run is not None:
             fns["torch"] = lambda: torch_run(q, k, v, causal)
-        best = _measure.time_side_by_side(fns, repeats=args.repeats)
+        best = _measure.time_side_by_side(fns, repeats=args.repeats, budget_s=FORWARD_BUDGET_S)
         if b * h * n * n * dtype.itemsize * 3 <= NAIVE_MAX_BYTES and not args.no_naive:
             naive = {"naive": lambda: _measure.naive_attention(q, k, v, causal)}
-            best.update(_measure.time_side_by_side(naive, repeats=min(3, args.repeats)))
+            best.update(_measure.time_side_by_side(naive, repeats=min(2, args.repeats)))
         flops = _measure.forward_flops(b, h, n, n, d, causal)
         row = _row(b, h, n, d, causal, dtype, best, flops)
-        row["err"] = _measure.max_error_vs_reference(
-            cpuflash.attention(q, k, v, causal=causal), q, k, v, causal)
+        outs = [cpuflash.attention(q, k, v, causal=causal)]
         if "torch" in best:
-            row["torch_err"] = _measure.max_error_vs_reference(
-                torch_run(q, k, v, causal), q, k, v, causal)
-        if not args.no_memory:
-            row["peak_mib"] = _measure.peak_memory_growth(b, h, n, d, causal) / 2**20
+            outs.append(torch_run(q, k, v, causal))
+        errors = _measure.max_errors_vs_reference(outs, q, k, v, causal)
+        row["err"] = errors[0]
+        if "torch" in best:
+            row["torch_err"] = errors[1]
+        if ("forward", (b, h, n, d, causal)) in peaks:
+            row["peak_mib"] = peaks["forward", (b, h, n, d, causal)]
         rows.append(row)
         if not args.json:
             _print_row(row, first=len(rows) == 1, title="forward")
     return rows
 
 
-def _bench_backward(args, shapes, dtype, grad_run):
+def _bench_backward(args, shapes, dtype, grad_run, peaks):
     import cpuflash
     from cpuflash import _measure
 
@@ -175,25 +213,26 @@ def _bench_backward(args, shapes, dtype, grad_run):
         best = _measure.time_side_by_side(fns, repeats=max(2, args.repeats // 2))
         flops = 3.5 * _measure.forward_flops(b, h, n, n, d, causal)
         row = _row(b, h, n, d, causal, dtype, best, flops)
-        grads = cpuflash.attention_vjp(q, k, v, dout, causal=causal)[1:]
-        row["err"] = _measure.max_grad_error_vs_reference(grads, q, k, v, dout, causal)
+        grads = [cpuflash.attention_vjp(q, k, v, dout, causal=causal)[1:]]
         if grad_run is not None:
-            row["torch_err"] = _measure.max_grad_error_vs_reference(
-                grad_run(q, k, v, dout, causal), q, k, v, dout, causal)
-        if not args.no_memory:
-            row["peak_mib"] = _measure.peak_memory_growth(b, h, n, d, causal,
-                                                          impl="cpuflash-grad") / 2**20
+            grads.append(grad_run(q, k, v, dout, causal))
+        errors = _measure.max_grad_errors_vs_reference(grads, q, k, v, dout, causal)
+        row["err"] = errors[0]
+        if grad_run is not None:
+            row["torch_err"] = errors[1]
+        if ("backward", (b, h, n, d, causal)) in peaks:
+            row["peak_mib"] = peaks["backward", (b, h, n, d, causal)]
         rows.append(row)
         if not args.json:
             _print_row(row, first=len(rows) == 1, title="forward + backward")
     return rows
 
 
-def _bench_decode(args, torch_run):
+def _bench_decode(args, cases, torch_run):
     from cpuflash import _measure
 
     rows = []
-    for h_kv, n_k, cache, cold in args.decode_case or DECODE_CASES:
+    for h_kv, n_k, cache, cold in cases:
         row = _measure.decode_case(h_kv, n_k, cache, cold=cold, torch_run=torch_run)
         rows.append(row)
         if not args.json:
@@ -310,8 +349,8 @@ def main(argv=None):
                          help="B,H,N,D,causal (repeatable); default: a one-minute set")
     p_bench.add_argument("--decode-case", type=_parse_decode_case, action="append",
                          help="Hkv,Nk,float32|float16|int8[,cold] (repeatable): decode steps "
-                              "with Nq=1, Hq=8, D=64; default: a set of 15")
-    p_bench.add_argument("--long", action="store_true", help="a longer sweep of shapes")
+                              "with Nq=1, Hq=8, D=64; default: a set of 7 (--long: 15)")
+    p_bench.add_argument("--long", action="store_true", help="the whole sweep of shapes and decode cases (about 4 minutes)")
     p_bench.add_argument("--section", default="all",
                          choices=["forward", "backward", "decode", "all"])
     p_bench.add_argument("--dtype", default="float32", choices=["float32", "float64", "float16"])

@@ -10,6 +10,13 @@ import numpy as np
 __all__ = ["attention", "attention_backward", "visible"]
 
 
+def _t(x):
+    """The last two axes swapped: ``x^T`` per (batch, head). Products are written as matmuls
+    (float64 BLAS) rather than ``np.einsum``, whose plain loops took 3.3 s against 0.75 s for
+    one 8192 x 8192 x 64 score matrix."""
+    return np.swapaxes(x, -1, -2)
+
+
 def _as_4d(x):
     return np.asarray(x, dtype=np.float64).reshape((1,) * (4 - np.ndim(x)) + np.shape(x))
 
@@ -89,7 +96,7 @@ def attention(q, k, v, *, causal=False, scale=None, mask=None, window=None, kv_l
     k4 = np.repeat(k4, group, axis=1)  # GQA: query head h reads kv head h // group
     v4 = np.repeat(v4, group, axis=1)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    s = scale * np.einsum("bhid,bhjd->bhij", q4, k4)
+    s = scale * (q4 @ _t(k4))
     s, _ = _modified(s, q4.shape[0], n_q, n_k, kv_lens, softcap, alibi_slopes)
     seen = _seen(q4.shape[0], n_q, n_k, causal, window, kv_lens)
     s, seen = _user_mask(s, seen, mask)
@@ -125,7 +132,7 @@ def attention_backward(dout, q, k, v, *, causal=False, scale=None, mask=None, wi
     group = q4.shape[1] // n_hkv
     kr, vr = np.repeat(k4, group, axis=1), np.repeat(v4, group, axis=1)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    s = scale * np.einsum("bhid,bhjd->bhij", q4, kr)
+    s = scale * (q4 @ _t(kr))
     s, t = _modified(s, n_b, n_q, n_k, kv_lens, softcap, alibi_slopes)
     seen = _seen(n_b, n_q, n_k, causal, window, kv_lens)
     s, seen = _user_mask(s, seen, mask)
@@ -136,15 +143,15 @@ def attention_backward(dout, q, k, v, *, causal=False, scale=None, mask=None, wi
     lsum = p.sum(axis=-1, keepdims=True)
     p = np.where(lsum > 0, p / np.where(lsum > 0, lsum, 1.0), 0.0)
     drop = _dropout_scale(*p.shape, dropout_p, seed)
-    dv = np.einsum("bhij,bhid->bhjd", p if drop is None else p * drop, do4)
-    dp = np.einsum("bhid,bhjd->bhij", do4, vr)
+    dv = _t(p if drop is None else p * drop) @ do4
+    dp = do4 @ _t(vr)
     if drop is not None:
         dp = dp * drop
     ds = p * (dp - (dp * p).sum(axis=-1, keepdims=True))
     if t is not None:  # through s = softcap * tanh(s_raw / softcap)
         ds = ds * (1.0 - t * t)
-    dq = scale * np.einsum("bhij,bhjd->bhid", ds, kr)
-    dk = scale * np.einsum("bhij,bhid->bhjd", ds, q4)
+    dq = scale * (ds @ kr)
+    dk = scale * (_t(ds) @ q4)
     dk = dk.reshape(n_b, n_hkv, group, n_k, d).sum(axis=2)
     dv = dv.reshape(n_b, n_hkv, group, n_k, v4.shape[3]).sum(axis=2)
     return (dq.reshape(np.shape(q)), dk.reshape(np.shape(k)), dv.reshape(np.shape(v)))

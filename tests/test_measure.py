@@ -1,0 +1,54 @@
+"""The bench's measuring helpers: one reference for several outputs, memory probes side by
+side in the order asked, and the default/long case lists of `cpuflash bench`."""
+import numpy as np
+import pytest
+
+from cpuflash import _measure, cli, reference
+
+
+def test_one_reference_judges_each_output_alone():
+    q, k, v = _measure.make_qkv(1, 2, 40, 8, np.float64, seed=3)
+    exact = reference.attention(q, k, v, causal=True)
+    off = exact.copy()
+    off[0, 0, 7, 3] += 1e-3
+    both = _measure.max_errors_vs_reference([exact, off], q, k, v, True)
+    assert both == [_measure.max_error_vs_reference(x, q, k, v, True) for x in (exact, off)]
+    assert both[0] == 0.0 and both[1] == pytest.approx(1e-3, rel=1e-9)
+
+
+def test_one_reference_backward_judges_each_gradient_set_alone():
+    q, k, v = _measure.make_qkv(1, 4, 24, 8, np.float64, seed=4, h_kv=2)
+    dout = _measure.make_qkv(1, 4, 24, 8, np.float64, seed=5)[0]
+    exact = reference.attention_backward(dout, q, k, v, causal=True)
+    off = [g.copy() for g in exact]
+    off[1][0, 0, 5, 2] -= 2e-3  # dk of kv head 0: within the heads judged
+    both = _measure.max_grad_errors_vs_reference([exact, off], q, k, v, dout, True)
+    assert both[0] == 0.0 and both[1] == pytest.approx(2e-3, rel=1e-9)
+
+
+def test_memory_probes_side_by_side_keep_their_order():
+    """naive's (N, N) float32 scores (16 MiB at N=2048) against cpuflash's tiles at N=64."""
+    probes = [{"b": 1, "h": 1, "n": 2048, "d": 16, "impl": "naive"},
+              {"b": 1, "h": 1, "n": 64, "d": 16}]
+    naive, flash = _measure.peak_memory_growths(probes, processes=2)
+    assert naive > 16 * 2**20 > 8 * 2**20 > flash >= 0  # flash: ~4 MiB of first-call state
+
+
+@pytest.mark.parametrize("argv, sizes", [
+    ([], (len(cli.DEFAULT_SHAPES), len(cli.BACKWARD_SHAPES), len(cli.DECODE_CASES))),
+    (["--long"], (len(cli.LONG_SHAPES), len(cli.LONG_BACKWARD_SHAPES),
+                  len(cli.LONG_DECODE_CASES))),
+    (["--section", "decode"], (0, 0, len(cli.DECODE_CASES))),
+    (["--section", "forward", "--shape", "1,2,64,16,1"], (1, 0, 0)),
+])
+def test_bench_cases(argv, sizes, monkeypatch):
+    seen = {}
+    monkeypatch.setattr(cli, "bench", lambda args: seen.setdefault("args", args))
+    cli.main(["bench", *argv])
+    assert tuple(len(c) for c in cli._bench_cases(seen["args"])) == sizes
+
+
+def test_long_sweep_holds_the_defaults():
+    assert set(cli.DEFAULT_SHAPES) <= set(cli.LONG_SHAPES)
+    assert set(cli.BACKWARD_SHAPES) <= set(cli.LONG_BACKWARD_SHAPES)
+    assert set(cli.DECODE_CASES) <= set(cli.LONG_DECODE_CASES)
