@@ -31,7 +31,7 @@ from .masking import (HIDDEN, MIXED, apply_user_mask, mask_tile, tile_key_range,
                       tile_needs_mask)
 from .dropout import dropout_row
 from .scores import modify_row, tanh_grad_row
-from .pack import (not_wanted, pack_tiles, packed_rows, packed_transposed, reusable,
+from .pack import (pack_tiles, packed_rows, packed_transposed, reusable,
                    workspace)
 from .tiles import (exp2_shifted2, softmax_grad_row, tile_product_add, tile_product_kahan,
                     tile_product_softmax_grad, tile_product_store)
@@ -41,7 +41,8 @@ LOG2_E = 1.0 / LN2
 TASKS_WANTED = 4  # key chunks per (batch, kv head) are added until there are this many tasks
 
 
-@kernel(strided=("mask_bools", "mask_adds", "tile_state"), read_only=("kv_lens", "slopes2"))
+@kernel(strided=("mask_bools", "mask_adds", "tile_state"), read_only=("kv_lens", "slopes2"),
+        switches=("portable",))
 def backward(qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad,
              left, right, kv_lens, softcap2, slopes2, mask_bools, mask_adds, mask_is_bool,
              tile_state, drop_below, seed, chunk_starts, portable, dq_part, dk, dv, scale, dq):
@@ -338,7 +339,7 @@ def run_backward(dout, q, k, v, out, lse, scale, band, mods, user_mask, drop, po
         kt = workspace("keys", (n_b * n_hkv, n_kb, d * block_k), dtype)
         vtt = workspace("values_t", (n_b * n_hkv, n_kb, n_dv * block_k), dtype)
         kn = workspace("keys_rows", (n_b * n_hkv, n_kb, block_k * d_pad), dtype)
-        pack_tiles(k, v, block_k, width, kt, vtt, kn, not_wanted(dtype))
+        pack_tiles(k, v, block_k, width, kt, vtt, kn, None)
     else:
         kt = packed_transposed(k, block_k, width, "keys")
         vtt = packed_transposed(v, block_k, width, "values_t")

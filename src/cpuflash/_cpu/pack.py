@@ -11,7 +11,6 @@ Panel layout of a ``(rows, cols)`` tile with panel width ``w``: element ``(r, c)
 Keys past ``Nk`` and columns past ``Dv`` are zero. Inputs may have any strides (transposed or
 broadcast views) and are read once; the packed copies are O(N), like the inputs.
 """
-import functools
 import math
 import mmap
 import sys
@@ -113,26 +112,35 @@ def pack_tiles(k, v, block_k, w, kt, vtt, kn, vn):
     (each region costs the threads a wake-up and a join: 25-70 us with
     ``OMP_WAIT_POLICY=PASSIVE``, 1.5 us without): ``kt``, ``vtt``, K and V tiles transposed
     (``keys_transposed_task``); ``kn``, K tiles as rows with NaN/Inf as 0, and ``vn``, V tiles
-    as rows (``values_task``; their rows whole vectors). A copy not wanted is ``not_wanted``'s
-    empty array. The forward pass takes ``kt`` and ``vn``, the backward pass ``kt``, ``vtt``,
-    ``kn``; ``packed_transposed``/``packed_rows`` one of them (``k`` and ``v`` the same array
-    then)."""
+    as rows (``values_task``; their rows whole vectors). The forward pass takes ``kt`` and
+    ``vn``, the backward pass ``kt``, ``vtt``, ``kn``; ``packed_transposed``/``packed_rows``
+    one of them (``k`` and ``v`` the same array then).
+
+    A copy not wanted is None, and Numba compiles one specialization per combination: an
+    ``is None`` test of an argument is decided before typing, so each holds only the copies it
+    makes (the forward pass's first call compiled the four in 8.3 s)."""
     n_k, d, dv = k.shape[2], k.shape[3], v.shape[3]
     kf, vf = k.reshape(-1), v.reshape(-1)
     n_blocks = max(1, (n_k + block_k - 1) // block_k)
-    ktf, vttf, knf, vnf = kt.reshape(-1), vtt.reshape(-1), kn.reshape(-1), vn.reshape(-1)
-    end_kt = kt.shape[0] * kt.shape[1]  # the tasks of each copy, one after the other
-    end_vtt = end_kt + vtt.shape[0] * vtt.shape[1]
-    end_kn = end_vtt + kn.shape[0] * kn.shape[1]
-    for task in prange(end_kn + vn.shape[0] * vn.shape[1]):
+    end_kt = 0 if kt is None else kt.shape[0] * kt.shape[1]  # each copy's tasks in turn
+    end_vtt = end_kt + (0 if vtt is None else vtt.shape[0] * vtt.shape[1])
+    end_kn = end_vtt + (0 if kn is None else kn.shape[0] * kn.shape[1])
+    end_vn = end_kn + (0 if vn is None else vn.shape[0] * vn.shape[1])
+    for task in prange(end_vn):
         if task < end_kt:
-            keys_transposed_task(kf, n_k, d, block_k, n_blocks, w, ktf, task)
+            if kt is not None:
+                keys_transposed_task(kf, n_k, d, block_k, n_blocks, w, kt.reshape(-1), task)
         elif task < end_vtt:
-            keys_transposed_task(vf, n_k, dv, block_k, n_blocks, w, vttf, task - end_kt)
+            if vtt is not None:
+                keys_transposed_task(vf, n_k, dv, block_k, n_blocks, w, vtt.reshape(-1),
+                                     task - end_kt)
         elif task < end_kn:
-            values_task(kf, n_k, d, block_k, n_blocks, w, True, knf, task - end_vtt)
-        else:
-            values_task(vf, n_k, dv, block_k, n_blocks, w, False, vnf, task - end_kn)
+            if kn is not None:
+                values_task(kf, n_k, d, block_k, n_blocks, w, True, kn.reshape(-1),
+                            task - end_vtt)
+        elif vn is not None:
+            values_task(vf, n_k, dv, block_k, n_blocks, w, False, vn.reshape(-1),
+                        task - end_kn)
 
 
 @kernel(strided=("v",))
@@ -242,20 +250,13 @@ def reusable(name, shape, dtype):
     return buf, True
 
 
-@functools.lru_cache(maxsize=4)
-def not_wanted(dtype):
-    """``pack_tiles``' stand-in for a copy not asked for: an empty (0, 1, 1) array."""
-    return np.empty((0, 1, 1), dtype=dtype)
-
-
 def packed_transposed(x, block_k, panel_width, name):
     """(B, H, N, D) -> (B*H, n_blocks, D * block_k): tiles transposed to (D, block_k), panels."""
     n_b, n_h, n, d = x.shape
     n_blocks = max(1, -(-n // block_k))
     xt = workspace(name, (n_b * n_h, n_blocks, d * block_k), x.dtype)
     if xt.size and x.flags.c_contiguous:
-        skip = not_wanted(x.dtype)
-        pack_tiles(x, x, block_k, panel_width, xt, skip, skip, skip)
+        pack_tiles(x, x, block_k, panel_width, xt, None, None, None)
     elif xt.size:
         pack_keys_transposed(x, block_k, panel_width, xt)
     return xt
@@ -282,9 +283,8 @@ def packed_rows(x, block_k, lanes, panel_width, name, zero_nonfinite=False, pack
         return None
     xr = workspace(name, (n_b * n_h, n_blocks, block_k * d_pad), x.dtype)
     if xr.size and d == d_pad and x.flags.c_contiguous:
-        skip = not_wanted(x.dtype)
-        rows_as = (xr, skip) if zero_nonfinite else (skip, xr)  # kn zeroes NaN/Inf, vn keeps
-        pack_tiles(x, x, block_k, panel_width, skip, skip, *rows_as)
+        rows_as = (xr, None) if zero_nonfinite else (None, xr)  # kn zeroes NaN/Inf, vn keeps
+        pack_tiles(x, x, block_k, panel_width, None, None, *rows_as)
     elif xr.size:
         pack_values(x, block_k, d_pad, panel_width, zero_nonfinite, xr)
     return xr
@@ -303,7 +303,6 @@ def packed_kv(k, v, block_k, lanes, panel_width):
     n_blocks = -(-n // block_k)
     kt = workspace("keys", (n_b * n_h, n_blocks, d * block_k), k.dtype)
     vn = workspace("values", (n_b * n_h, n_blocks, block_k * dv), k.dtype)
-    skip = not_wanted(k.dtype)
     if kt.size:
-        pack_tiles(k, v, block_k, panel_width, kt, skip, skip, vn)
+        pack_tiles(k, v, block_k, panel_width, kt, None, None, vn)
     return kt, vn
