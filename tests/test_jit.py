@@ -70,38 +70,6 @@ def test_canonical_signature():
         _jit.kernel(fn, strided=("nope",), parallel=False)
 
 
-def test_switches_reach_numba_as_true_or_none():
-    """A switch compiles per value: False arrives as None, a type of its own, and the branch
-    it turns off is gone from that specialization's code (here: no ``sin`` left in it)."""
-    def fn(x, flag):
-        total = 0.0
-        for i in range(x.size):
-            total += np.sin(x[i]) if flag else x[i]
-        return total
-
-    kern = _jit.kernel(fn, switches=("flag",), parallel=False)
-    x = np.linspace(0.0, 1.0, 5)
-    assert kern(x, False) == x.sum()
-    assert kern(x, True) == pytest.approx(np.sin(x).sum(), rel=1e-15)
-    by_flag = {sig[1]: cres for sig, cres in kern.dispatcher.overloads.items()}
-    assert set(by_flag) == {types.none, types.boolean}
-    assert "llvm.sin" not in by_flag[types.none].library.get_llvm_str()
-    assert "llvm.sin" in by_flag[types.boolean].library.get_llvm_str()
-    with pytest.raises(AssertionError, match="no arguments"):
-        _jit.kernel(fn, switches=("nope",), parallel=False)
-
-
-def test_simd_kernels_hold_no_portable_code():
-    """The forward and backward kernels of the default (SIMD) path are compiled with
-    ``portable`` as None."""
-    q, k, v = rands((1, 1, 8, 16), (1, 1, 8, 16), (1, 1, 8, 16), seed=3)
-    out, lse = cpuflash.attention(q, k, v, return_lse=True)
-    cpuflash.attention_backward(out, q, k, v, out, lse)
-    for kern in (forward.forward, backward.backward):
-        at = kern._names.index("portable")
-        assert any(sig[at] == types.none for sig in kern.dispatcher.signatures), kern.__name__
-
-
 def test_first_calls_from_threads_at_once():
     """Threads whose first calls of a kernel come at once all get their result (the
     compilation flag is set and cleared under a lock, not raced)."""

@@ -141,15 +141,14 @@ class Kernel:
     argument (truncating it), so a float where every specialization takes an integer raises
     TypeError instead."""
 
-    def __init__(self, dispatcher, compiler, strided=(), read_only=(), switches=()):
+    def __init__(self, dispatcher, compiler, strided=(), read_only=()):
         self.dispatcher = dispatcher
         self.compiler = compiler  # compiles (and caches) for ``dispatcher``, which does not
         self.py_func = dispatcher.py_func
         self.__name__, self.__doc__ = self.py_func.__name__, self.py_func.__doc__
         names = list(inspect.signature(self.py_func).parameters)
-        unknown = (set(strided) | set(read_only) | set(switches)) - set(names)
+        unknown = (set(strided) | set(read_only)) - set(names)
         assert not unknown, f"{self.__name__}: no arguments {sorted(unknown)}"
-        self._switches = tuple(names.index(n) for n in switches)
         self._strided = {names.index(n) for n in strided}
         self._read_only = {names.index(n) for n in read_only} | self._strided
         self._names = names
@@ -184,10 +183,6 @@ class Kernel:
                                 "where the kernel takes an integer")
 
     def __call__(self, *args):
-        if self._switches:  # False as None: a type of its own (see ``kernel``)
-            args = list(args)
-            for i in self._switches:
-                args[i] = True if args[i] else None
         self._check_integers(args)
         try:
             return self.dispatcher(*args)
@@ -206,25 +201,16 @@ class Kernel:
         return self.dispatcher(*args)
 
 
-def kernel(fn=None, *, strided=(), read_only=(), switches=(), parallel=True):
+def kernel(fn=None, *, strided=(), read_only=(), parallel=True):
     """A kernel called from Python (``Kernel``): ``prange`` inside unless ``parallel=False``;
     ``strided``, ``read_only``: names of array arguments it takes in any layout, and only
-    reads.
-
-    ``switches``: names of bool arguments that choose a code path (``portable``). Numba
-    compiles one specialization per argument *type*, and a bool's value is not part of it:
-    both paths of every ``if portable:`` in the kernel and in each helper it passes the flag
-    to were compiled, and LLVM optimized both. A switch reaches Numba as ``True`` or as
-    ``None`` (for False), which is a type of its own; Numba prunes the branches that a None
-    decides (``if portable:``, ``x if portable else y``) before typing, so the SIMD
-    specialization holds no portable code, and the other compiles only when asked for."""
+    reads."""
     if fn is None:
-        return lambda f: kernel(f, strided=strided, read_only=read_only, switches=switches,
-                                parallel=parallel)
+        return lambda f: kernel(f, strided=strided, read_only=read_only, parallel=parallel)
     flags = dict(parallel=True, nogil=True, fastmath=FASTMATH, error_model="numpy")
     if not parallel:
         del flags["parallel"]
-    return Kernel(_jit(fn, **flags), _jit(fn, **flags), strided, read_only, switches)
+    return Kernel(_jit(fn, **flags), _jit(fn, **flags), strided, read_only)
 
 
 def helper(fn):

@@ -41,8 +41,7 @@ LOG2_E = 1.0 / LN2
 TASKS_WANTED = 4  # key chunks per (batch, kv head) are added until there are this many tasks
 
 
-@kernel(strided=("mask_bools", "mask_adds", "tile_state"), read_only=("kv_lens", "slopes2"),
-        switches=("portable",))
+@kernel(strided=("mask_bools", "mask_adds", "tile_state"), read_only=("kv_lens", "slopes2"))
 def backward(qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad,
              left, right, kv_lens, softcap2, slopes2, mask_bools, mask_adds, mask_is_bool,
              tile_state, drop_below, seed, chunk_starts, portable, dq_part, dk, dv, scale, dq):

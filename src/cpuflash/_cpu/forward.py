@@ -56,7 +56,7 @@ def balanced_order(j, n):
 
 
 @kernel(strided=("q", "mask_bools", "mask_adds", "tile_state"),
-        read_only=("kv_lens", "slopes2"), switches=("portable",))
+        read_only=("kv_lens", "slopes2"))
 def forward(q, kt, vt, block_q, scale2, left, right, kv_lens, softcap2, slopes2, mask_bools,
             mask_adds, mask_is_bool, tile_state, drop_below, seed, portable, out, lse):
     """Attention forward on packed K/V.
