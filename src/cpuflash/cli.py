@@ -350,7 +350,9 @@ def main(argv=None):
     p_bench.add_argument("--decode-case", type=_parse_decode_case, action="append",
                          help="Hkv,Nk,float32|float16|int8[,cold] (repeatable): decode steps "
                               "with Nq=1, Hq=8, D=64; default: a set of 7 (--long: 15)")
-    p_bench.add_argument("--long", action="store_true", help="the whole sweep of shapes and decode cases (about 4 minutes)")
+    p_bench.add_argument("--long", action="store_true",
+                         help="the whole sweep of shapes and decode cases (about 4 minutes "
+                              "with the kernels cached)")
     p_bench.add_argument("--section", default="all",
                          choices=["forward", "backward", "decode", "all"])
     p_bench.add_argument("--dtype", default="float32", choices=["float32", "float64", "float16"])
