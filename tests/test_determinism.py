@@ -111,12 +111,14 @@ def test_other_tile_shapes_keep_their_own_cache_files(tmp_path):
         "    return x + 1\n")
     code = ("import toy_kernel; assert toy_kernel.toy(1) == 2; s = toy_kernel.toy.compiler.stats;"
             "print(sum(s.cache_hits.values()), sum(s.cache_misses.values()))")
-    path = os.pathsep.join([str(tmp_path)] + sys.path)
+    # A cache directory of its own, whatever NUMBA_CACHE_DIR the session has
+    env = dict(PYTHONPATH=os.pathsep.join([str(tmp_path)] + sys.path),
+               NUMBA_CACHE_DIR=str(tmp_path / "cache"))
     narrower = "avx2" if config.VECTOR_BYTES > 32 else "128"
-    assert _run(code, PYTHONPATH=path).stdout.split() == ["0", "1"]  # compiled, saved
-    assert _run(code, PYTHONPATH=path, CPUFLASH_SIMD=narrower).stdout.split() == ["0", "1"]
-    assert _run(code, PYTHONPATH=path).stdout.split() == ["1", "0"]  # still this host's
-    assert len(list((tmp_path / "__pycache__").glob("toy_kernel.toy-*.nbi"))) == 2
+    assert _run(code, **env).stdout.split() == ["0", "1"]  # compiled, saved
+    assert _run(code, **env, CPUFLASH_SIMD=narrower).stdout.split() == ["0", "1"]
+    assert _run(code, **env).stdout.split() == ["1", "0"]  # still this host's
+    assert len(list((tmp_path / "cache").rglob("toy_kernel.toy-*.nbi"))) == 2
 
 
 @pytest.mark.parametrize("n_q,n_k,causal", [(20, 20, False), (100, 37, True), (7, 200, False),

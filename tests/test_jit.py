@@ -146,3 +146,38 @@ def test_cache_saves_wait_for_the_lock(tmp_path):
     assert not saver.is_alive() and cache_file.load("key") == "data"
     # and the kernels' own cache files save that way
     assert forward.forward.compiler._cache._cache_file.save.__name__ == "locked_save"
+
+
+def test_portable_fallback_runs_as_kernels_of_their_own(monkeypatch):
+    """``config.PORTABLE`` picks the portable twins (``_jit.portable_twin``): the same code with
+    the module's ``PORTABLE`` constant True, under names and cache files of their own, so the
+    SIMD kernels hold no portable code. The twin that runs matches the float64 reference."""
+    pairs = ((forward.forward, forward.forward_portable),
+             (backward.backward, backward.backward_portable))
+    for simd_kernel, twin in pairs:
+        assert simd_kernel.py_func.__globals__["PORTABLE"] is False
+        assert twin.py_func.__globals__["PORTABLE"] is True
+        assert twin.py_func.__code__ is simd_kernel.py_func.__code__
+        assert twin.__name__ == f"{simd_kernel.__name__}_portable"
+        if hasattr(twin.compiler, "_cache") and hasattr(twin.compiler._cache, "_cache_file"):
+            names = {k.compiler._cache._cache_file._index_name for k in (simd_kernel, twin)}
+            assert len(names) == 2
+    ran = []
+
+    def recording(kern, *args):
+        ran.append(kern.__name__)
+        return kern(*args)
+
+    monkeypatch.setattr(forward, "run_dynamic", recording)
+    monkeypatch.setattr(backward, "run_dynamic", recording)
+    q, k, v, dout = rands((1, 2, 37, 16), (1, 2, 41, 16), (1, 2, 41, 16), (1, 2, 37, 16))
+    for portable in (False, True):
+        monkeypatch.setattr(cpuflash.config, "PORTABLE", portable)
+        out, lse = cpuflash.attention(q, k, v, causal=True, return_lse=True)
+        assert_close_to_reference(out, reference.attention(q, k, v, causal=True), q, k, v,
+                                  causal=True)
+        grads = cpuflash.attention_backward(dout, q, k, v, out, lse, causal=True)
+        expected = reference.attention_backward(dout, q, k, v, causal=True)
+        for got, want in zip(grads, expected):
+            assert np.max(np.abs(got - want)) < 1e-4 * max(1.0, np.max(np.abs(want)))
+    assert ran == ["forward", "backward", "forward_portable", "backward_portable"]

@@ -31,6 +31,7 @@ import inspect
 import os
 import pathlib
 import threading
+import types as pytypes
 import warnings
 
 import numba
@@ -141,8 +142,9 @@ class Kernel:
     argument (truncating it), so a float where every specialization takes an integer raises
     TypeError instead."""
 
-    def __init__(self, dispatcher, compiler, strided=(), read_only=()):
+    def __init__(self, dispatcher, compiler, strided=(), read_only=(), parallel=True):
         self.dispatcher = dispatcher
+        self.options = dict(strided=strided, read_only=read_only, parallel=parallel)
         self.compiler = compiler  # compiles (and caches) for ``dispatcher``, which does not
         self.py_func = dispatcher.py_func
         self.__name__, self.__doc__ = self.py_func.__name__, self.py_func.__doc__
@@ -207,10 +209,32 @@ def kernel(fn=None, *, strided=(), read_only=(), parallel=True):
     reads."""
     if fn is None:
         return lambda f: kernel(f, strided=strided, read_only=read_only, parallel=parallel)
-    flags = dict(parallel=True, nogil=True, fastmath=FASTMATH, error_model="numpy")
+    # No C-callable (cfunc) wrapper: nothing takes a kernel's address (with the helpers' wrappers
+    # below, the first forward call compiled in 20-22 s against 23-28 s, stop 29).
+    flags = dict(parallel=True, nogil=True, fastmath=FASTMATH, error_model="numpy",
+                 no_cfunc_wrapper=True)
     if not parallel:
         del flags["parallel"]
-    return Kernel(_jit(fn, **flags), _jit(fn, **flags), strided, read_only)
+    return Kernel(_jit(fn, **flags), _jit(fn, **flags), strided, read_only, parallel)
+
+
+def portable_twin(kern):
+    """The kernel ``kern`` once more, with its module's global ``PORTABLE`` (False in the
+    module) True: the portable pure-Numba fallback as a kernel of its own.
+
+    A kernel reads ``PORTABLE`` as a compile-time constant: Numba prunes ``if PORTABLE:``
+    branches before typing, and the helpers it calls get the flag as a constant that LLVM folds
+    once they are inlined, so each kernel holds one path's code only. (As a run-time argument
+    both paths were compiled into every kernel; the first SIMD forward call then compiled in
+    19-22 s against 16.5-18.5 s, alternating processes on empty caches, stop 29.) The twin is
+    the same code object under another name (``<name>_portable``, its own cache files) with a
+    copy of the module's globals: make it after everything the kernel calls is defined."""
+    fn = kern.py_func
+    twin = pytypes.FunctionType(fn.__code__, dict(fn.__globals__, PORTABLE=True),
+                                f"{fn.__name__}_portable", fn.__defaults__, fn.__closure__)
+    twin.__qualname__ = f"{fn.__qualname__}_portable"
+    twin.__doc__, twin.__module__ = fn.__doc__, fn.__module__
+    return kernel(twin, **kern.options)
 
 
 def helper(fn):
@@ -220,5 +244,9 @@ def helper(fn):
     the first forward, decode and backward calls), but typing the calls with the plain types
     instead made the kernels 10-20 % slower (stop 27, alternating processes, forward N=2048
     D=64 67-75 ms against 80-90 ms, float32 decode 1.8-2.9 against 2.6-3.3 ms): the constant
-    ``portable``/``accumulate`` flags then no longer specialize the helpers. Kept as it is."""
-    return _jit(fn, nogil=True, fastmath=FASTMATH, error_model="numpy")
+    ``portable``/``accumulate`` flags then no longer specialize the helpers. Kept as it is.
+
+    Helpers are called only from jitted code, so they are compiled without the wrappers that
+    make a function callable from Python or from C (a share of every helper's compile time)."""
+    return _jit(fn, nogil=True, fastmath=FASTMATH, error_model="numpy",
+                no_cpython_wrapper=True, no_cfunc_wrapper=True)

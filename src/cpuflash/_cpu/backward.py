@@ -25,7 +25,7 @@ from numba import prange
 
 from .. import config
 from . import simd
-from ._jit import kernel
+from ._jit import kernel, portable_twin
 from .tasks import run_dynamic, unravel
 from .masking import (HIDDEN, MIXED, apply_user_mask, mask_tile, tile_key_range,
                       tile_needs_mask)
@@ -38,13 +38,14 @@ from .tiles import (exp2_shifted2, softmax_grad_row, tile_product_add, tile_prod
 
 LN2 = math.log(2.0)
 LOG2_E = 1.0 / LN2
+PORTABLE = False  # True in ``backward_portable``: a compile-time constant (_jit.portable_twin)
 TASKS_WANTED = 4  # key chunks per (batch, kv head) are added until there are this many tasks
 
 
 @kernel(strided=("mask_bools", "mask_adds", "tile_state"), read_only=("kv_lens", "slopes2"))
 def backward(qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad,
              left, right, kv_lens, softcap2, slopes2, mask_bools, mask_adds, mask_is_bool,
-             tile_state, drop_below, seed, chunk_starts, portable, dq_part, dk, dv, scale, dq):
+             tile_state, drop_below, seed, chunk_starts, dq_part, dk, dv, scale, dq):
     """qp: (B, Hq, n_qb * block_q, d_pad) Q times ``scale * log2(e)``, zero-padded, contiguous.
     dout: (B, Hq, Nq, Dv), contiguous. left, right, kv_lens: the band (masking.py).
     softcap2, slopes2 (B, Hq): score modifiers in base-2 units, 0 for off (scores.py).
@@ -96,7 +97,7 @@ def backward(qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad
         dv_comp = np.empty(block_k * dv_pad, dtype=dk.dtype)
         # The portable kernels form each product here before adding it (the SIMD ones finish
         # each product in registers: see tiles._product_with_epilogue).
-        n_part = 1 if portable else 0
+        n_part = 1 if PORTABLE else 0
         dk_part = np.empty(n_part * block_k * d_pad, dtype=dk.dtype)
         dv_part = np.empty(n_part * block_k * dv_pad, dtype=dk.dtype)
         dq_tile = np.empty(n_part * block_q * d_pad, dtype=dk.dtype)
@@ -150,11 +151,11 @@ def backward(qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad
                     # (measured: scaling S here instead doubles the dQ error).
                     tile_product_store(s, 0, ld_s, qa, qa_off, d_pad, 1, kt_flat,
                                        tile * d * block_k, 0, d, block_q, block_k, d, s, 0, s, 0,
-                                       dp_tile, portable)
+                                       dp_tile, PORTABLE)
                     if modify:
                         for r in range(rows):
                             modify_row(s, r * ld_s, block_k, q0 + r + n_k - n_q, k0,
-                                       softcap2, slopes2[b, h], t_cap, portable)
+                                       softcap2, slopes2[b, h], t_cap, PORTABLE)
                     if state == MIXED:
                         apply_user_mask(s, 0, ld_s, rows, mask_bools, mask_adds, mask_is_bool,
                                         b, h, q0, k0, min(block_k, n_k_all - k0), LOG2_E,
@@ -163,31 +164,31 @@ def backward(qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad
                         mask_tile(s, ld_s, rows, q0, k0, block_k, n_q, n_k, left, right,
                                   -np.inf)
                     for r in range(block_q):
-                        exp2_shifted2(s, r * ld_s, block_k, lse_r[r], lse_lo[r], portable)
+                        exp2_shifted2(s, r * ld_s, block_k, lse_r[r], lse_lo[r], PORTABLE)
                     # Padding rows: P = 0 exactly, even where a NaN key made their score NaN.
                     s[rows * ld_s:] = 0.0
                     # dP = dO V^T, then dS = P * (dP - delta) (dropout first drops dP's keys)
                     if drop_below > 0:
                         tile_product_store(ds, 0, ld_s, doa, doa_off, dv_pad, 1, vtt_flat,
                                            tile * n_dv * block_k, 0, n_dv, block_q, block_k,
-                                           n_dv, ds, 0, ds, 0, dp_tile, portable)
+                                           n_dv, ds, 0, ds, 0, dp_tile, PORTABLE)
                         for r in range(rows):
                             dropout_row(ds, r * ld_s, block_k, seed,
                                         (b * n_hq + h) * n_q + q0 + r, k0, drop_below, inv_keep)
                         for r in range(block_q):
-                            softmax_grad_row(s, ds, r * ld_s, block_k, delta_r[r], portable)
+                            softmax_grad_row(s, ds, r * ld_s, block_k, delta_r[r], PORTABLE)
                     else:
                         tile_product_softmax_grad(ds, 0, ld_s, doa, doa_off, dv_pad, 1, vtt_flat,
                                                   tile * n_dv * block_k, 0, n_dv, block_q,
                                                   block_k, n_dv, s, 0, delta_r, 0, dp_tile,
-                                                  portable)
+                                                  PORTABLE)
                     if drop_below > 0:  # dV takes the dropped P
                         for r in range(rows):
                             dropout_row(s, r * ld_s, block_k, seed,
                                         (b * n_hq + h) * n_q + q0 + r, k0, drop_below, inv_keep)
                     if softcap2 != 0.0:  # back through the tanh to the raw scores
                         for r in range(rows):
-                            tanh_grad_row(ds, t_cap, r * ld_s, block_k, portable)
+                            tanh_grad_row(ds, t_cap, r * ld_s, block_k, PORTABLE)
                     # dV += P^T dO and dK += dS^T Q: P and dS read transposed (row stride 1).
                     # Each block's products are formed on their own, then added with compensation:
                     # one long running sum over every query row rounds more (measured at N=8192,
@@ -195,14 +196,14 @@ def backward(qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad
                     # compensated add; 1.2e-6 this way; torch 1.3e-6).
                     tile_product_kahan(dv_acc, 0, dv_pad, s, 0, 1, ld_s, doa, doa_off, dv_pad,
                                        1, block_k, dv_pad, block_q, dv_comp, 0, dv_comp, 0,
-                                       dv_part, portable)
+                                       dv_part, PORTABLE)
                     tile_product_kahan(dk_acc, 0, d_pad, ds, 0, 1, ld_s, qa, qa_off, d_pad, 1,
                                        block_k, d_pad, block_q, dk_comp, 0, dk_comp, 0, dk_part,
-                                       portable)
+                                       PORTABLE)
                     dq_off = (((chunk * n_b + b) * n_hq + h) * rows_padded + q0) * d_pad
                     tile_product_add(dq_flat, dq_off, d_pad, ds, 0, ld_s, 1, kn_flat,
                                      tile * block_k * d_pad, 0, block_k, block_q, d_pad, n_valid,
-                                     dq_flat, 0, dq_flat, 0, dq_tile, portable)
+                                     dq_flat, 0, dq_flat, 0, dq_tile, PORTABLE)
             for j in range(n_valid):
                 for dd in range(d):
                     dk[b, hk, k0 + j, dd] = dk_acc[j * d_pad + dd] * LN2  # Q carried log2(e)
@@ -214,6 +215,9 @@ def backward(qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad
                     row = ((b * n_hq + h) * rows_padded + i) * d_pad
                     for dd in range(d):
                         dq[b, h, i, dd] = dq_flat[row + dd] * scale
+
+
+backward_portable = portable_twin(backward)
 
 
 @kernel(strided=("dout", "out", "lse", "q"))
@@ -360,10 +364,10 @@ def run_backward(dout, q, k, v, out, lse, scale, band, mods, user_mask, drop, po
     delta = np.empty(lse.shape, dtype=dtype)
     row_terms(dout, out, lse, q, scale * LOG2_E, lse2, lse2_lo, delta, qp)
     dout = np.ascontiguousarray(dout)  # the kernel reads it flat (do_flat)
-    run_dynamic(backward, qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad,
+    run_dynamic(backward_portable if portable else backward, qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad,
                 left, right, kv_lens, softcap2, slopes2, *user_mask.kernel_args(),
-                user_mask.tile_states(block_q, block_k), drop[0], drop[1], starts, portable,
-                dq_part, dk, dv, scale, dq)
+                user_mask.tile_states(block_q, block_k), drop[0], drop[1], starts, dq_part, dk,
+                dv, scale, dq)
     if n_chunks > 1:  # else the kernel wrote dQ; here the partials are summed in chunk order
         finish_dq(dq_part, scale, dq)
     return dq, dk, dv

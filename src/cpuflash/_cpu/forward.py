@@ -30,7 +30,7 @@ from numba import prange
 
 from .. import config
 from . import simd
-from ._jit import helper, kernel
+from ._jit import helper, kernel, portable_twin
 from .tasks import run_dynamic, unravel
 from .decode import run_decode
 from .pack import empty, packed_kv
@@ -42,6 +42,7 @@ from .tiles import divide_row, online_softmax, row_max, tile_product_max, tile_p
 
 LN2 = math.log(2.0)
 LOG2_E = 1.0 / LN2
+PORTABLE = False  # True in ``forward_portable``: a compile-time constant (_jit.portable_twin)
 
 
 @helper
@@ -58,7 +59,7 @@ def balanced_order(j, n):
 @kernel(strided=("q", "mask_bools", "mask_adds", "tile_state"),
         read_only=("kv_lens", "slopes2"))
 def forward(q, kt, vt, block_q, scale2, left, right, kv_lens, softcap2, slopes2, mask_bools,
-            mask_adds, mask_is_bool, tile_state, drop_below, seed, portable, out, lse):
+            mask_adds, mask_is_bool, tile_state, drop_below, seed, out, lse):
     """Attention forward on packed K/V.
 
     q: (B, Hq, Nq, D) any strides, float32/float64. kt, vt: from ``pack.packed_kv``.
@@ -104,7 +105,7 @@ def forward(q, kt, vt, block_q, scale2, left, right, kv_lens, softcap2, slopes2,
         l_tile_sums = np.empty(block_q, dtype=out.dtype)
         alpha_i = np.empty(block_q, dtype=out.dtype)
         tile_max = np.empty(block_q, dtype=out.dtype)  # row maxima of a score tile
-        pv = np.empty(block_q * dv_pad if portable else 0, dtype=out.dtype)  # P @ V (portable)
+        pv = np.empty(block_q * dv_pad if PORTABLE else 0, dtype=out.dtype)  # P @ V (portable)
         row_vmax = np.empty(block_q * simd.lanes_of(out), dtype=out.dtype)
         for r in range(rows):
             for dd in range(d):
@@ -118,14 +119,14 @@ def forward(q, kt, vt, block_q, scale2, left, right, kv_lens, softcap2, slopes2,
             k_off = (bh_kv * kt.shape[1] + kb) * tile_k
             v_off = (bh_kv * vt.shape[1] + kb) * tile_v
             tile_product_max(s, 0, ld_s, q_s, 0, d, 1, kt_flat, k_off, d, block_q, block_k, d,
-                             row_vmax, tile_max, portable)
+                             row_vmax, tile_max, PORTABLE)
             # The row maxima came with the product (a pass over S saved); the modifiers and
             # masks below say whether they still hold.
             max_given = not modify
             if modify:
                 for r in range(rows):
                     modify_row(s, r * ld_s, block_k, q0 + r + n_k - n_q, k0, softcap2,
-                               slopes2[b, h], no_t, portable)
+                               slopes2[b, h], no_t, PORTABLE)
             if state == MIXED:
                 n_cols = min(block_k, n_k_all - k0)
                 apply_user_mask(s, 0, ld_s, rows, mask_bools, mask_adds, mask_is_bool, b, h,
@@ -133,12 +134,12 @@ def forward(q, kt, vt, block_q, scale2, left, right, kv_lens, softcap2, slopes2,
                 max_given = n_cols == block_k
                 if max_given:  # padding rows: their scores are 0 (Q zero-padded), or NaN
                     for r in range(rows, block_q):
-                        tile_max[r] = row_max(s, r * ld_s, block_k, portable)
+                        tile_max[r] = row_max(s, r * ld_s, block_k, PORTABLE)
             if tile_needs_mask(q0, q0 + rows, k0, block_k, n_q, n_k, left, right):
                 mask_tile(s, ld_s, rows, q0, k0, block_k, n_q, n_k, left, right, -np.inf)
                 max_given = False
             online_softmax(s, 0, ld_s, block_k, block_q, m_i, l_tile_sums, alpha_i, tile_max,
-                           max_given, portable)
+                           max_given, PORTABLE)
             for r in range(block_q):
                 l_i[r] = alpha_i[r] * l_i[r] + l_tile_sums[r]
             if drop_below > 0:  # after the sums: l normalizes the probabilities before dropout
@@ -149,7 +150,7 @@ def forward(q, kt, vt, block_q, scale2, left, right, kv_lens, softcap2, slopes2,
             # which keeps float32 rounding lower than one long running sum over all keys.
             n_valid = min(block_k, n_k - k0)  # keys past kv_len have P = 0: V rows never read
             tile_product_rescale(acc, 0, dv_pad, s, 0, ld_s, 1, vt_flat, v_off, 0, block_k,
-                                 block_q, dv_pad, n_valid, alpha_i, 0, alpha_i, 0, pv, portable)
+                                 block_q, dv_pad, n_valid, alpha_i, 0, alpha_i, 0, pv, PORTABLE)
         for r in range(rows):
             if l_i[r] == 0.0:  # the row sees no key: output 0, lse -inf
                 for c in range(dv):
@@ -157,8 +158,11 @@ def forward(q, kt, vt, block_q, scale2, left, right, kv_lens, softcap2, slopes2,
                 lse[b, h, q0 + r] = -np.inf
             else:  # a true division: one rounding, not two
                 divide_row(out_flat, ((b * n_hq + h) * n_q + q0 + r) * dv, acc, r * dv_pad, dv,
-                           l_i[r], portable)
+                           l_i[r], PORTABLE)
                 lse[b, h, q0 + r] = (m_i[r] + np.log2(l_i[r])) * LN2
+
+
+forward_portable = portable_twin(forward)
 
 
 def run_forward(q, k, v, scale, band, mods, user_mask, drop, portable, out=None,
@@ -198,7 +202,7 @@ def run_forward(q, k, v, scale, band, mods, user_mask, drop, portable, out=None,
     block_k = config.block_k(d, n_k)
     kt, vt = packed_kv(k, v, block_k, config.lanes(q.dtype), config.panel_width(q.dtype))
     block_q = config.block_q(n_q, d, n_b * n_hq, numba.get_num_threads())
-    run_dynamic(forward, q, kt, vt, block_q, scale * LOG2_E, left, right, kv_lens, softcap2,
-                slopes2, *user_mask.kernel_args(),
-                user_mask.tile_states(block_q, block_k), drop[0], drop[1], portable, out, lse)
+    run_dynamic(forward_portable if portable else forward, q, kt, vt, block_q, scale * LOG2_E,
+                left, right, kv_lens, softcap2, slopes2, *user_mask.kernel_args(),
+                user_mask.tile_states(block_q, block_k), drop[0], drop[1], out, lse)
     return out, lse
