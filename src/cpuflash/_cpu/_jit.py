@@ -209,8 +209,7 @@ def kernel(fn=None, *, strided=(), read_only=(), parallel=True):
     reads."""
     if fn is None:
         return lambda f: kernel(f, strided=strided, read_only=read_only, parallel=parallel)
-    # No C-callable (cfunc) wrapper: nothing takes a kernel's address (with the helpers' wrappers
-    # below, the first forward call compiled in 20-22 s against 23-28 s, stop 29).
+    # No C-callable (cfunc) wrapper: nothing takes a kernel's address (see ``helper``).
     flags = dict(parallel=True, nogil=True, fastmath=FASTMATH, error_model="numpy",
                  no_cfunc_wrapper=True)
     if not parallel:
@@ -246,7 +245,8 @@ def helper(fn):
     D=64 67-75 ms against 80-90 ms, float32 decode 1.8-2.9 against 2.6-3.3 ms): the constant
     ``portable``/``accumulate`` flags then no longer specialize the helpers. Kept as it is.
 
-    Helpers are called only from jitted code, so they are compiled without the wrappers that
-    make a function callable from Python or from C (a share of every helper's compile time)."""
-    return _jit(fn, nogil=True, fastmath=FASTMATH, error_model="numpy",
-                no_cpython_wrapper=True, no_cfunc_wrapper=True)
+    Helpers are compiled without the wrapper that makes a function callable from C (nothing
+    takes their address). They keep the one for Python: tests call some of them directly, and
+    without it (``no_cpython_wrapper``, tried at stop 29: about 2 s less compiling for the
+    first forward call) a call from Python crashes the interpreter instead of raising."""
+    return _jit(fn, nogil=True, fastmath=FASTMATH, error_model="numpy", no_cfunc_wrapper=True)
