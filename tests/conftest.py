@@ -63,8 +63,9 @@ collect_ignore = [] if os.environ.get("CPUFLASH_CUDA_TESTS") else ["cuda"]
 
 
 def pytest_collection_finish(session):
-    """Start the CUDA runs of the selected tests of tests/test_cuda_path.py now, in the
-    background (see RUNS there)."""
+    """Start the background runs of the selected tests now: the CUDA runs of
+    tests/test_cuda_path.py and the narrower host's kernels of tests/test_simd_shapes.py (see
+    RUNS in each: a module's ``start_in_background(test name)``)."""
     if session.config.option.collectonly:
         return
     for item in session.items:
@@ -74,9 +75,10 @@ def pytest_collection_finish(session):
 
 
 def pytest_sessionfinish(session):
-    """Kill the CUDA runs that no test waited for (a session stopped early, by -x say)."""
-    for item in session.items:
-        stop = getattr(getattr(item, "module", None), "stop_all", None)
+    """Kill the background runs that no test waited for (a session stopped early, by -x say),
+    in every module that has them."""
+    modules = {getattr(item, "module", None) for item in getattr(session, "items", [])}
+    for module in modules:
+        stop = getattr(module, "stop_all", None)
         if stop is not None:
             stop()
-            return
