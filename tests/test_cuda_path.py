@@ -4,10 +4,11 @@ import importlib.util
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
+
+from background import BackgroundRuns
 
 ROOT = Path(__file__).resolve().parents[1]
 HAS_NUMBA_CUDA = importlib.util.find_spec("numba_cuda") is not None
@@ -23,48 +24,27 @@ RUNS = {
     "test_cuda_ptx_sm90": (["tests/cuda/test_ptx.py"],
                            {"CPUFLASH_PTX_QUICK": os.environ.get("CPUFLASH_PTX_QUICK", "1")}),
 }
-_started = {}
+_runs = BackgroundRuns()
 
 
 def start_in_background(name):
     """Start the CUDA run behind the test ``name`` (once; not without numba-cuda)."""
-    if name not in RUNS or name in _started or not HAS_NUMBA_CUDA:
+    if name not in RUNS or not HAS_NUMBA_CUDA:
         return
     args, env = RUNS[name]
     environment = dict(os.environ, CPUFLASH_CUDA_TESTS="1", **env)
     environment["PYTHONPATH"] = os.pathsep.join(
         [str(ROOT / "src")] + [p for p in [os.environ.get("PYTHONPATH")] if p])
-    log = tempfile.TemporaryFile(mode="w+")
-    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                             *args], cwd=ROOT, env=environment, stdout=log,
-                            stderr=subprocess.STDOUT, text=True)
-    _started[name] = (proc, log)
+    _runs.start(name, [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
+                cwd=ROOT, env=environment)
 
 
-def stop_all():
-    """Kill runs whose tests never waited for them (the session stopped early)."""
-    for proc, log in _started.values():
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        log.close()
-    _started.clear()
+stop_all = _runs.stop_all  # conftest.py: the runs no test waited for
 
 
 def _wait_for(name):
     start_in_background(name)  # not started yet if the collection hook did not run
-    proc, log = _started.pop(name)
-    try:
-        proc.wait(timeout=1800)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        raise
-    finally:
-        log.seek(0)
-        output = log.read()
-        log.close()
-    assert proc.returncode == 0, output[-6000:]
+    _runs.wait(name, timeout=1800)
 
 
 @pytest.mark.skipif(not HAS_NUMBA_CUDA, reason="numba-cuda is not installed")

@@ -7,10 +7,10 @@ tiles, the same 6 rows; not run here, to keep the suite's compile time down.)"""
 import os
 import subprocess
 import sys
-import tempfile
 
 import pytest
 
+from background import BackgroundRuns
 from cpuflash import config
 
 SCRIPT = r"""
@@ -46,29 +46,19 @@ print("ok", worst)
 # (conftest.py: pytest_collection_finish), it overlaps with the rest of the suite on a 2-core
 # machine, as the CUDA runs do (tests/test_cuda_path.py); its test waits for it.
 RUNS = {"test_narrower_hosts_tile_shapes[avx2-32]": ("avx2", 32)}
-_started = {}
+_runs = BackgroundRuns()
 
 
 def start_in_background(name):
     """Start the subprocess behind the test ``name`` (once; not where the host is no wider)."""
-    if name not in RUNS or name in _started or config.VECTOR_BYTES < RUNS[name][1]:
+    if name not in RUNS or config.VECTOR_BYTES < RUNS[name][1]:
         return
     simd, vector_bytes = RUNS[name]
-    log = tempfile.TemporaryFile(mode="w+")
-    proc = subprocess.Popen([sys.executable, "-c", SCRIPT.format(vector_bytes=vector_bytes)],
-                            stdout=log, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, CPUFLASH_SIMD=simd))
-    _started[name] = (proc, log)
+    _runs.start(name, [sys.executable, "-c", SCRIPT.format(vector_bytes=vector_bytes)],
+                env=dict(os.environ, CPUFLASH_SIMD=simd))
 
 
-def stop_all():
-    """Kill runs whose tests never waited for them (the session stopped early)."""
-    for proc, log in _started.values():
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        log.close()
-    _started.clear()
+stop_all = _runs.stop_all  # conftest.py: the runs no test waited for
 
 
 @pytest.mark.parametrize("simd,vector_bytes", [("avx2", 32)])
@@ -76,18 +66,7 @@ def test_narrower_hosts_tile_shapes(request, simd, vector_bytes):
     if config.VECTOR_BYTES < vector_bytes:
         pytest.skip("this host's shapes are already these or narrower")
     start_in_background(request.node.name)  # not started yet if the collection hook did not run
-    proc, log = _started.pop(request.node.name)
-    try:
-        proc.wait(timeout=600)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        raise
-    finally:
-        log.seek(0)
-        output = log.read()
-        log.close()
-    assert proc.returncode == 0, output[-3000:]
+    output = _runs.wait(request.node.name, timeout=600)
     assert output.startswith("ok"), output[-3000:]
 
 
