@@ -30,8 +30,8 @@ def main(argv=None):
     a = p.parse_args(argv)
     if a.seeds < 1:
         p.error("--seeds must be at least 1")
-    if a.peaked < 0:
-        p.error("--peaked must be positive")
+    if not a.peaked >= 0:  # NaN too
+        p.error("--peaked must be 0 (off) or positive")
     torch_run, _ = _measure.torch_sdpa()
     torch_grad = _measure.torch_sdpa_grad() if a.backward else None
     if torch_run is None:

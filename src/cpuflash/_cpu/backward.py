@@ -364,10 +364,10 @@ def run_backward(dout, q, k, v, out, lse, scale, band, mods, user_mask, drop, po
     delta = np.empty(lse.shape, dtype=dtype)
     row_terms(dout, out, lse, q, scale * LOG2_E, lse2, lse2_lo, delta, qp)
     dout = np.ascontiguousarray(dout)  # the kernel reads it flat (do_flat)
-    run_dynamic(backward_portable if portable else backward, qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad,
-                left, right, kv_lens, softcap2, slopes2, *user_mask.kernel_args(),
-                user_mask.tile_states(block_q, block_k), drop[0], drop[1], starts, dq_part, dk,
-                dv, scale, dq)
+    run_dynamic(backward_portable if portable else backward, qp, dout, lse2, lse2_lo, delta, kt,
+                vtt, kn, block_q, d_pad, dv_pad, left, right, kv_lens, softcap2, slopes2,
+                *user_mask.kernel_args(), user_mask.tile_states(block_q, block_k), drop[0],
+                drop[1], starts, dq_part, dk, dv, scale, dq)
     if n_chunks > 1:  # else the kernel wrote dQ; here the partials are summed in chunk order
         finish_dq(dq_part, scale, dq)
     return dq, dk, dv
