@@ -2,9 +2,11 @@
 
 ``q`` is ``(total_q, Hq, D)``, ``k``/``v`` ``(total_k, Hkv, D)``/``(total_k, Hkv, Dv)``, and
 sequence ``b`` owns rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` of ``q`` and
-``cu_seqlens_k[b]:cu_seqlens_k[b+1]`` of ``k``/``v``. Each sequence is one ``attention`` call on
-``(H, n, D)`` views of the packed arrays (no copies, no padding): a batch pays for its real
-tokens only. ``lse`` is ``(Hq, total_q)``, as FlashAttention's.
+``cu_seqlens_k[b]:cu_seqlens_k[b+1]`` of ``k``/``v``. The forward pass is one kernel call over
+all sequences (tasks over sequence, head and query block; each sequence's query blocks sized
+to its length), with no padding: a batch pays for its real tokens only. The backward pass is
+one ``attention_backward`` call per sequence, on ``(H, n, D)`` views of the packed arrays.
+``lse`` is ``(Hq, total_q)``, as FlashAttention's.
 
 Per sequence, ``causal``/``window`` align to that sequence's bottom-right corner, ``alibi_slopes``
 may be ``(Hq,)`` or ``(B, Hq)``, and dropout uses the seed ``seed * 1000003 + b`` (mod 2^63), so
@@ -12,8 +14,9 @@ sequences get independent masks.
 """
 import numpy as np
 
-from . import _checks
-from .api import attention, attention_backward
+from . import _checks, config, masks
+from ._cpu.forward import run_varlen
+from .api import attention_backward
 
 __all__ = ["attention_varlen", "attention_varlen_backward"]
 
@@ -64,23 +67,25 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale
     with ``return_lse``, ``lse`` (Hq, total_q). Options as ``cpuflash.attention``."""
     _packed(q, k, v)
     seqs = _sequences(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])
-    if alibi_slopes is not None and isinstance(alibi_slopes, np.ndarray) and \
-            alibi_slopes.ndim == 2 and alibi_slopes.shape[0] != len(seqs):
-        raise ValueError(f"alibi_slopes: expected ({q.shape[1]},) or ({len(seqs)}, "
+    return_lse = _checks.flag("return_lse", return_lse)
+    causal = _checks.flag("causal", causal)
+    *_, d, _ = _checks.qkv_shapes(*(_heads_first(x)[None] for x in (q, k, v)))
+    n_seq = len(seqs)
+    if isinstance(alibi_slopes, np.ndarray) and alibi_slopes.ndim == 2 and \
+            alibi_slopes.shape[0] != n_seq:
+        raise ValueError(f"alibi_slopes: expected ({q.shape[1]},) or ({n_seq}, "
                          f"{q.shape[1]}), got {alibi_slopes.shape}")
-    out = np.zeros(q.shape[:2] + (v.shape[2],), dtype=q.dtype)
-    lse = np.full((q.shape[1], q.shape[0]), -np.inf,
-                  dtype=np.float64 if q.dtype == np.float64 else np.float32)
-    for b, (q0, q1, k0, k1) in enumerate(seqs):
-        if q1 == q0:
-            continue
-        slopes, seq_seed = _per_sequence(b, alibi_slopes, seed, dropout_p)
-        o, l_seq = attention(_heads_first(q[q0:q1]), _heads_first(k[k0:k1]),
-                             _heads_first(v[k0:k1]), causal=causal, scale=scale, window=window,
-                             alibi_slopes=slopes, softcap=softcap, dropout_p=dropout_p,
-                             seed=seq_seed, return_lse=True)
-        out[q0:q1] = o.transpose(1, 0, 2)
-        lse[:, q0:q1] = l_seq
+    scale = _checks.scale(scale, d)
+    left, right, _ = masks.band(causal, window, None, 1, 0)
+    mods = masks.modifiers(softcap, alibi_slopes, n_seq, q.shape[1])
+    drop_below, seed = masks.dropout(dropout_p, seed)
+    seeds = np.array([_per_sequence(b, None, seed, drop_below)[1] or 0 for b in range(n_seq)],
+                     dtype=np.int64)
+    compute = np.float64 if q.dtype == np.float64 else np.float32
+    out, lse = run_varlen(*(x if x.dtype == compute else x.astype(compute) for x in (q, k, v)),
+                          cu_seqlens_q.astype(np.int64), cu_seqlens_k.astype(np.int64), scale,
+                          (left, right), mods, (drop_below, seeds), config.PORTABLE)
+    out = out.astype(q.dtype, copy=False)
     return (out, lse) if return_lse else out
 
 

@@ -29,11 +29,13 @@ import numpy as np
 from numba import prange
 
 from .. import config
-from . import simd
+from . import sequences, simd
 from ._jit import helper, kernel, portable_twin
-from .tasks import run_dynamic, unravel
+from .sequences import BLOCK_Q, N_Q, N_QB, Q_BATCH, Q_ROW0, TASK0, TILE0, TILES, find_task
+from .tasks import run_dynamic
 from .decode import run_decode
-from .pack import empty, packed_kv
+from ..masks import UserMask
+from .pack import empty, packed_kv, packed_varlen
 from .masking import (HIDDEN, MIXED, apply_user_mask, mask_tile, tile_key_range,
                       tile_needs_mask)
 from .dropout import dropout_row
@@ -57,68 +59,75 @@ def balanced_order(j, n):
 
 
 @kernel(strided=("q", "mask_bools", "mask_adds", "tile_state"),
-        read_only=("kv_lens", "slopes2"))
-def forward(q, kt, vt, block_q, scale2, left, right, kv_lens, softcap2, slopes2, mask_bools,
-            mask_adds, mask_is_bool, tile_state, drop_below, seed, out, lse):
-    """Attention forward on packed K/V.
+        read_only=("seqs", "kv_lens", "slopes2", "seeds"))
+def forward(q, kt, vt, n_hkv, block_q, scale2, left, right, seqs, kv_lens, softcap2, slopes2,
+            mask_bools, mask_adds, mask_is_bool, tile_state, drop_below, seeds, out_flat,
+            out_layout, lse):
+    """Attention forward on packed K/V, for the sequences of the table ``seqs``
+    (sequences.py): one task per (sequence, head, query block).
 
-    q: (B, Hq, Nq, D) any strides, float32/float64. kt, vt: from ``pack.packed_kv``.
-    block_q: a multiple of the micro-tile rows. scale2: ``scale * log2(e)``.
-    left, right, kv_lens: the band of keys each row sees (masking.py); kv_lens: (B,) int64.
-    softcap2, slopes2 (B, Hq): the score modifiers in base-2 units, 0 for off (scores.py).
+    q: (Bq, Hq, rows, D) any strides, float32/float64. kt, vt: (tiles, D * block_k) and
+    (tiles, block_k * Dv_pad), laid out as ``pack.packed_kv`` makes them; n_hkv: key heads.
+    block_q: the largest query block in ``seqs``. scale2: ``scale * log2(e)``.
+    left, right, kv_lens: the band of keys each row sees (masking.py); kv_lens: (S,) int64.
+    softcap2, slopes2 (S, Hq): the score modifiers in base-2 units, 0 for off (scores.py).
     mask_bools, mask_adds, mask_is_bool, tile_state: the caller's mask and its tile table
-    (masks.UserMask).
-    drop_below, seed: dropout (dropout.py); ``drop_below = 0`` for none.
-    out: (B, Hq, Nq, Dv) contiguous. lse: (B, Hq, Nq), natural log.
+    (masks.UserMask), by sequence.
+    drop_below, seeds (S,): dropout (dropout.py); ``drop_below = 0`` for none.
+    out_flat, out_layout: the output's buffer and ``(batch stride, head stride, row stride,
+    Dv)``: element ``(b, h, row, c)`` of the output, ``c < Dv``, is ``out_flat[b * stride_b +
+    h * stride_h + row * stride_row + c]``.
+    lse: (Bq, Hq, rows), natural log.
     """
-    n_b, n_hq, n_q, d = q.shape
-    dv = out.shape[3]
-    n_hkv = kt.shape[0] // n_b
+    n_hq, d = q.shape[1], q.shape[3]
     group = n_hq // n_hkv
-    block_k = kt.shape[2] // d
-    dv_pad = vt.shape[2] // block_k
-    n_qb = (n_q + block_q - 1) // block_q
+    block_k = kt.shape[1] // d
+    dv_pad = vt.shape[1] // block_k
+    dv = out_layout[3]
     kt_flat = kt.reshape(-1)
     vt_flat = vt.reshape(-1)
-    out_flat = out.reshape(-1)  # C-contiguous
     tile_k = d * block_k
     tile_v = block_k * dv_pad
     # Score rows one vector longer than the tile: rows a power of two apart (1 KiB at 256 keys)
     # alias in L1 and in the store-to-load forwarding of the tile products.
-    ld_s = block_k + simd.lanes_of(out)
+    ld_s = block_k + simd.lanes_of(out_flat)
     modify = softcap2 != 0.0 or np.any(slopes2 != 0.0)
-    no_t = np.empty(0, dtype=out.dtype)
+    no_t = np.empty(0, dtype=out_flat.dtype)
     n_k_all = mask_bools.shape[3]
     inv_keep = 2.0**32 / (2.0**32 - drop_below)  # 1 / (1 - p)
-    for task in prange(n_b * n_hq * n_qb):
-        b, h, qb = unravel(task, n_hq, n_qb)
+    n_tasks = seqs[-1, TASK0] + n_hq * seqs[-1, N_QB] if seqs.shape[0] else 0
+    for task in prange(n_tasks):
+        b, h, qb = find_task(seqs, n_hq, task)
+        n_q, bq, n_qb = seqs[b, N_Q], seqs[b, BLOCK_Q], seqs[b, N_QB]
         qb = balanced_order(qb, n_qb)
-        bh_kv = b * n_hkv + h // group
+        q_b, row0 = seqs[b, Q_BATCH], seqs[b, Q_ROW0]
+        tile0 = seqs[b, TILE0] + (h // group) * seqs[b, TILES]
         n_k = kv_lens[b]
-        q0 = qb * block_q
-        rows = min(block_q, n_q - q0)
-        q_s = np.zeros(block_q * d, dtype=out.dtype)   # Q block, scaled to base-2 units
-        s = np.empty(block_q * ld_s, dtype=out.dtype)  # scores, then probabilities
-        acc = np.zeros(block_q * dv_pad, dtype=out.dtype)
-        m_i = np.full(block_q, -np.inf, dtype=out.dtype)
-        l_i = np.zeros(block_q, dtype=out.dtype)
-        l_tile_sums = np.empty(block_q, dtype=out.dtype)
-        alpha_i = np.empty(block_q, dtype=out.dtype)
-        tile_max = np.empty(block_q, dtype=out.dtype)  # row maxima of a score tile
-        pv = np.empty(block_q * dv_pad if PORTABLE else 0, dtype=out.dtype)  # P @ V (portable)
-        row_vmax = np.empty(block_q * simd.lanes_of(out), dtype=out.dtype)
+        q0 = qb * bq
+        rows = min(bq, n_q - q0)
+        out_row0 = q_b * out_layout[0] + h * out_layout[1] + (row0 + q0) * out_layout[2]
+        q_s = np.zeros(block_q * d, dtype=out_flat.dtype)   # Q block, scaled to base-2 units
+        s = np.empty(block_q * ld_s, dtype=out_flat.dtype)  # scores, then probabilities
+        acc = np.zeros(block_q * dv_pad, dtype=out_flat.dtype)
+        m_i = np.full(block_q, -np.inf, dtype=out_flat.dtype)
+        l_i = np.zeros(block_q, dtype=out_flat.dtype)
+        l_tile_sums = np.empty(block_q, dtype=out_flat.dtype)
+        alpha_i = np.empty(block_q, dtype=out_flat.dtype)
+        tile_max = np.empty(block_q, dtype=out_flat.dtype)  # row maxima of a score tile
+        pv = np.empty(block_q * dv_pad if PORTABLE else 0, dtype=out_flat.dtype)  # portable
+        row_vmax = np.empty(block_q * simd.lanes_of(out_flat), dtype=out_flat.dtype)
         for r in range(rows):
             for dd in range(d):
-                q_s[r * d + dd] = q[b, h, q0 + r, dd] * scale2  # as backward.row_terms
+                q_s[r * d + dd] = q[q_b, h, row0 + q0 + r, dd] * scale2  # as backward.row_terms
         kb_lo, kb_hi = tile_key_range(q0, q0 + rows, n_q, n_k, block_k, left, right)
         for kb in range(kb_lo, kb_hi):
             state = tile_state[b, h, qb, kb]
             if state == HIDDEN:
                 continue  # the caller's mask hides the whole tile
             k0 = kb * block_k
-            k_off = (bh_kv * kt.shape[1] + kb) * tile_k
-            v_off = (bh_kv * vt.shape[1] + kb) * tile_v
-            tile_product_max(s, 0, ld_s, q_s, 0, d, 1, kt_flat, k_off, d, block_q, block_k, d,
+            k_off = (tile0 + kb) * tile_k
+            v_off = (tile0 + kb) * tile_v
+            tile_product_max(s, 0, ld_s, q_s, 0, d, 1, kt_flat, k_off, d, bq, block_k, d,
                              row_vmax, tile_max, PORTABLE)
             # The row maxima came with the product (a pass over S saved); the modifiers and
             # masks below say whether they still hold.
@@ -133,33 +142,33 @@ def forward(q, kt, vt, block_q, scale2, left, right, kv_lens, softcap2, slopes2,
                                 q0, k0, n_cols, LOG2_E, tile_max)
                 max_given = n_cols == block_k
                 if max_given:  # padding rows: their scores are 0 (Q zero-padded), or NaN
-                    for r in range(rows, block_q):
+                    for r in range(rows, bq):
                         tile_max[r] = row_max(s, r * ld_s, block_k, PORTABLE)
             if tile_needs_mask(q0, q0 + rows, k0, block_k, n_q, n_k, left, right):
                 mask_tile(s, ld_s, rows, q0, k0, block_k, n_q, n_k, left, right, -np.inf)
                 max_given = False
-            online_softmax(s, 0, ld_s, block_k, block_q, m_i, l_tile_sums, alpha_i, tile_max,
+            online_softmax(s, 0, ld_s, block_k, bq, m_i, l_tile_sums, alpha_i, tile_max,
                            max_given, PORTABLE)
-            for r in range(block_q):
+            for r in range(bq):
                 l_i[r] = alpha_i[r] * l_i[r] + l_tile_sums[r]
             if drop_below > 0:  # after the sums: l normalizes the probabilities before dropout
                 for r in range(rows):
-                    dropout_row(s, r * ld_s, block_k, seed, (b * n_hq + h) * n_q + q0 + r,
+                    dropout_row(s, r * ld_s, block_k, seeds[b], (q_b * n_hq + h) * n_q + q0 + r,
                                 k0, drop_below, inv_keep)
             # This tile's P @ V on its own, then acc = alpha * acc + it: each tile's sum is short,
             # which keeps float32 rounding lower than one long running sum over all keys.
             n_valid = min(block_k, n_k - k0)  # keys past kv_len have P = 0: V rows never read
             tile_product_rescale(acc, 0, dv_pad, s, 0, ld_s, 1, vt_flat, v_off, 0, block_k,
-                                 block_q, dv_pad, n_valid, alpha_i, 0, alpha_i, 0, pv, PORTABLE)
+                                 bq, dv_pad, n_valid, alpha_i, 0, alpha_i, 0, pv, PORTABLE)
         for r in range(rows):
+            at = out_row0 + r * out_layout[2]
             if l_i[r] == 0.0:  # the row sees no key: output 0, lse -inf
                 for c in range(dv):
-                    out_flat[((b * n_hq + h) * n_q + q0 + r) * dv + c] = 0.0
-                lse[b, h, q0 + r] = -np.inf
+                    out_flat[at + c] = 0.0
+                lse[q_b, h, row0 + q0 + r] = -np.inf
             else:  # a true division: one rounding, not two
-                divide_row(out_flat, ((b * n_hq + h) * n_q + q0 + r) * dv, acc, r * dv_pad, dv,
-                           l_i[r], PORTABLE)
-                lse[b, h, q0 + r] = (m_i[r] + np.log2(l_i[r])) * LN2
+                divide_row(out_flat, at, acc, r * dv_pad, dv, l_i[r], PORTABLE)
+                lse[q_b, h, row0 + q0 + r] = (m_i[r] + np.log2(l_i[r])) * LN2
 
 
 forward_portable = portable_twin(forward)
@@ -202,7 +211,43 @@ def run_forward(q, k, v, scale, band, mods, user_mask, drop, portable, out=None,
     block_k = config.block_k(d, n_k)
     kt, vt = packed_kv(k, v, block_k, config.lanes(q.dtype), config.panel_width(q.dtype))
     block_q = config.block_q(n_q, d, n_b * n_hq, numba.get_num_threads())
-    run_dynamic(forward_portable if portable else forward, q, kt, vt, block_q, scale * LOG2_E,
-                left, right, kv_lens, softcap2, slopes2, *user_mask.kernel_args(),
-                user_mask.tile_states(block_q, block_k), drop[0], drop[1], out, lse)
+    seqs, _ = sequences.dense(n_b, n_hq, n_q, block_q, k.shape[1], kt.shape[1])
+    run_dynamic(forward_portable if portable else forward, q, kt.reshape(-1, kt.shape[2]),
+                vt.reshape(-1, vt.shape[2]), k.shape[1], block_q, scale * LOG2_E, left, right,
+                seqs, kv_lens, softcap2, slopes2, *user_mask.kernel_args(),
+                user_mask.tile_states(block_q, block_k), drop[0], np.full(n_b, drop[1]),
+                out.reshape(-1), (n_hq * n_q * dv, n_q * dv, dv, dv), lse)
     return out, lse
+
+
+def run_varlen(q, k, v, cu_q, cu_k, scale, band, mods, drop, portable):
+    """The forward pass over packed sequences in one kernel call (``cpuflash.varlen``).
+
+    ``q``: (total_q, Hq, D), ``k``/``v``: (total_k, Hkv, D/Dv), any strides, of one compute
+    dtype; ``cu_q``/``cu_k``: int64 offsets of the S sequences (S + 1 each). ``band``: ``(left,
+    right)``; ``mods``: ``(softcap, slopes (S, Hq))``; ``drop``: ``(drop_below, seeds (S,))``.
+    Returns ``out`` (total_q, Hq, Dv) and ``lse`` (Hq, total_q).
+    """
+    total_q, n_hq, d = q.shape
+    n_hkv, dv = v.shape[1], v.shape[2]
+    q_lens, k_lens = np.diff(cu_q), np.diff(cu_k)
+    out = empty((total_q, n_hq, dv), q.dtype)
+    lse = np.empty((1, n_hq, total_q), dtype=q.dtype)
+    n_seq = len(q_lens)
+    if out.size == 0 or n_seq == 0:
+        return out, lse.reshape(n_hq, total_q)
+    longest_q, longest_k = int(q_lens.max()), int(k_lens.max())
+    block_k = config.block_k(d, longest_k)
+    block_q = config.block_q(longest_q, d, n_seq * n_hq, numba.get_num_threads())
+    seqs, _, n_tiles = sequences.varlen(cu_q[:-1], q_lens, k_lens, n_hq, n_hkv, block_q,
+                                        block_k, config.MICRO_ROWS)
+    kt, vt = packed_varlen(k, v, cu_k, seqs, block_k, config.lanes(q.dtype),
+                           config.panel_width(q.dtype), n_tiles)
+    no_mask = UserMask(None, n_seq, n_hq, block_q * int(seqs[:, N_QB].max()),
+                       block_k * max(1, int(seqs[:, TILES].max())), q.dtype)
+    run_dynamic(forward_portable if portable else forward, q.transpose(1, 0, 2)[None], kt, vt,
+                n_hkv, block_q, scale * LOG2_E, band[0], band[1], seqs, k_lens.astype(np.int64),
+                mods[0] * LOG2_E, mods[1] * LOG2_E, *no_mask.kernel_args(),
+                no_mask.tile_states(block_q, block_k), drop[0], drop[1], out.reshape(-1),
+                (0, dv, n_hq * dv, dv), lse)
+    return out, lse.reshape(n_hq, total_q)

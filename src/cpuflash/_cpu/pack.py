@@ -21,6 +21,7 @@ from numba import prange
 
 from . import simd
 from ._jit import helper, kernel
+from .sequences import TILE0, TILES, owner
 from .tasks import unravel
 
 
@@ -48,62 +49,67 @@ def pack_keys_transposed(k, block_k, w, kt):
 
 
 @helper
-def key_tile(task, n_blocks, block_k, n_k):
-    """A packing task's (batch * head) index, its key tile's first key and how many of the
-    tile's keys come before ``Nk``."""
+def key_tile(task, n_blocks, block_k, n_k, d):
+    """A packing task's key tile for a C-contiguous (B, H, Nk, D) array: the flat index of its
+    first key row and how many of the tile's keys come before ``Nk``."""
     bh, kb = task // n_blocks, task % n_blocks
     j0 = kb * block_k
-    return bh, j0, min(block_k, n_k - j0)
+    return (bh * n_k + j0) * d, min(block_k, n_k - j0)
 
 
 @helper
-def keys_transposed_task(kf, n_k, d, block_k, n_blocks, w, ktf, task):
-    """One key tile of ``pack_keys_transposed``'s layout for a C-contiguous K: ``task`` is its
-    (batch * head, tile) index, ``kf``/``ktf`` the flat K and packed K, ``n_blocks`` the tiles
-    per head. Flat indices, no test per element and, where a panel is whole, ``lanes x lanes``
-    blocks transposed in registers (measured at B=1, H=8, N=512, D=128: 0.47 -> 0.09 ms;
-    N=2048: 0.81 -> 0.45 ms)."""
+def keys_transposed_task(kf, src, row_stride, n_valid, d, block_k, w, ktf, tile):
+    """One key tile in ``pack_keys_transposed``'s layout at ``ktf[tile:]``: its keys are the
+    ``n_valid`` rows of ``d`` elements at ``kf[src + j * row_stride:]`` (the rest zero). Flat
+    indices, no test per element and, where a panel is whole, ``lanes x lanes`` blocks
+    transposed in registers (measured at B=1, H=8, N=512, D=128: 0.47 -> 0.09 ms; N=2048:
+    0.81 -> 0.45 ms)."""
     lanes = simd.lanes_of(ktf)
-    bh, j0, n_valid = key_tile(task, n_blocks, block_k, n_k)
-    tile = task * (d * block_k)
     for p0 in range(0, block_k, w):
         width = min(w, block_k - p0)
         inside = max(0, min(width, n_valid - p0))  # keys of this panel before Nk
-        src = (bh * n_k + j0 + p0) * d
+        first = src + p0 * row_stride
         panel = tile + p0 * d
         if inside == width and width % lanes == 0 and d % lanes == 0:
             for jj in range(0, width, lanes):  # lanes x lanes blocks, in registers
                 for dd in range(0, d, lanes):
-                    simd.transpose_block(kf, src + jj * d + dd, d, ktf,
+                    simd.transpose_block(kf, first + jj * row_stride + dd, row_stride, ktf,
                                          panel + dd * width + jj, width)
             continue
         for dd in range(d):
             row = panel + dd * width
             for jj in range(inside):
-                ktf[row + jj] = kf[src + jj * d + dd]
+                ktf[row + jj] = kf[first + jj * row_stride + dd]
             for jj in range(inside, width):
                 ktf[row + jj] = 0.0
 
 
 @helper
-def values_task(vf, n_k, dv, block_k, n_blocks, w, zero_nonfinite, vtf, task):
-    """One value tile of ``pack_values``' layout for a C-contiguous V whose rows are whole
-    vectors (``dv_pad = Dv``), arguments as ``keys_transposed_task``: each panel row a few
-    vector copies (measured at B=1, H=8, N=512, D=128: 0.31 -> 0.07 ms)."""
+def values_task(vf, src, row_stride, n_valid, dv, dv_pad, block_k, w, zero_nonfinite, vtf,
+                tile):
+    """One value tile in ``pack_values``' layout at ``vtf[tile:]``, rows of ``dv`` elements at
+    ``vf[src + j * row_stride:]`` as ``keys_transposed_task`` takes them, padded with zeros
+    to ``dv_pad`` columns: each panel row a few vector copies (measured at B=1, H=8, N=512,
+    D=128: 0.31 -> 0.07 ms), a row's last part past whole vectors one by one."""
     lanes = simd.lanes_of(vtf)
     zero = simd.vsplat(vtf, 0.0)
-    bh, j0, n_valid = key_tile(task, n_blocks, block_k, n_k)
-    tile = task * (block_k * dv)
-    for c0 in range(0, dv, w):
-        width = min(w, dv - c0)
+    for c0 in range(0, dv_pad, w):
+        width = min(w, dv_pad - c0)
         for j in range(block_k):
             dst = tile + c0 * block_k + j * width
-            src = (bh * n_k + j0 + j) * dv + c0
+            at = src + j * row_stride + c0
             for cc in range(0, width, lanes):
-                x = simd.vload(vf, src + cc) if j < n_valid else zero
-                if zero_nonfinite:  # x - x is 0 for a finite x, NaN for NaN and Inf
-                    x = simd.vselect_nonzero(simd.vsub(x, x), zero, x)
-                simd.vstore(vtf, dst + cc, x)
+                if j < n_valid and c0 + cc + lanes <= dv:
+                    x = simd.vload(vf, at + cc)
+                    if zero_nonfinite:  # x - x is 0 for a finite x, NaN for NaN and Inf
+                        x = simd.vselect_nonzero(simd.vsub(x, x), zero, x)
+                    simd.vstore(vtf, dst + cc, x)
+                elif j < n_valid:
+                    for c in range(cc, cc + lanes):
+                        x = vf[at + c] if c0 + c < dv else 0.0
+                        vtf[dst + c] = 0.0 if zero_nonfinite and not np.isfinite(x) else x
+                else:
+                    simd.vstore(vtf, dst + cc, zero)
 
 
 @kernel(read_only=("k", "v"))
@@ -129,18 +135,62 @@ def pack_tiles(k, v, block_k, w, kt, vtt, kn, vn):
     for task in prange(end_vn):
         if task < end_kt:
             if kt is not None:
-                keys_transposed_task(kf, n_k, d, block_k, n_blocks, w, kt.reshape(-1), task)
+                src, n_valid = key_tile(task, n_blocks, block_k, n_k, d)
+                keys_transposed_task(kf, src, d, n_valid, d, block_k, w, kt.reshape(-1),
+                                     task * (d * block_k))
         elif task < end_vtt:
             if vtt is not None:
-                keys_transposed_task(vf, n_k, dv, block_k, n_blocks, w, vtt.reshape(-1),
-                                     task - end_kt)
+                src, n_valid = key_tile(task - end_kt, n_blocks, block_k, n_k, dv)
+                keys_transposed_task(vf, src, dv, n_valid, dv, block_k, w, vtt.reshape(-1),
+                                     (task - end_kt) * (dv * block_k))
         elif task < end_kn:
             if kn is not None:
-                values_task(kf, n_k, d, block_k, n_blocks, w, True, kn.reshape(-1),
-                            task - end_vtt)
+                src, n_valid = key_tile(task - end_vtt, n_blocks, block_k, n_k, d)
+                values_task(kf, src, d, n_valid, d, d, block_k, w, True, kn.reshape(-1),
+                            (task - end_vtt) * (block_k * d))
         elif vn is not None:
-            values_task(vf, n_k, dv, block_k, n_blocks, w, False, vn.reshape(-1),
-                        task - end_kn)
+            src, n_valid = key_tile(task - end_kn, n_blocks, block_k, n_k, dv)
+            values_task(vf, src, dv, n_valid, dv, dv, block_k, w, False, vn.reshape(-1),
+                        (task - end_kn) * (block_k * dv))
+
+
+@kernel(read_only=("kf", "vf", "cu_k", "seqs"))
+def pack_varlen(kf, k_steps, vf, v_steps, cu_k, seqs, d, dv, block_k, w, kt, vt):
+    """K and V of packed sequences as the forward kernel's tile lists: sequence ``s``'s tiles
+    for key head ``h`` at ``seqs[s, TILE0] + h * seqs[s, TILES]``, keys transposed in ``kt``
+    (tiles, D * block_k), values as rows, padded to whole vectors, in ``vt`` (tiles,
+    block_k * Dv_pad). ``kf``, ``k_steps``: K as a flat span and its (token, head) strides in
+    elements, element ``(j, h, c)`` at ``kf[j * k_steps[0] + h * k_steps[1] + c]``
+    (``flat_rows``); ``vf``, ``v_steps`` the same for V. One task per tile and tensor."""
+    dv_pad = vt.shape[1] // block_k
+    n_tiles = kt.shape[0]
+    ktf, vtf = kt.reshape(-1), vt.reshape(-1)
+    for task in prange(2 * n_tiles):
+        tile = np.int64(task % n_tiles)
+        s = owner(seqs, TILE0, tile)  # the sequence whose tiles these are
+        h, kb = divmod(tile - seqs[s, TILE0], seqs[s, TILES])
+        j0 = cu_k[s] + kb * block_k
+        n_valid = min(block_k, cu_k[s + 1] - j0)
+        if task < n_tiles:
+            keys_transposed_task(kf, j0 * k_steps[0] + h * k_steps[1], k_steps[0], n_valid, d,
+                                 block_k, w, ktf, tile * (d * block_k))
+        else:
+            values_task(vf, j0 * v_steps[0] + h * v_steps[1], v_steps[0], n_valid, dv, dv_pad,
+                        block_k, w, False, vtf, tile * (block_k * dv_pad))
+
+
+def flat_rows(x):
+    """``(flat, (row step, head step))`` for a (rows, H, D) array whose last axis is unit-stride
+    and whose other strides are non-negative: a 1-D view from its first to its last element
+    and the steps in elements (a slice of a fused QKV projection, ``qkv[:, 1]``, read in place);
+    a C-contiguous copy's for any other array."""
+    item = x.itemsize
+    if not (x.size and x.strides[2] == item and min(x.strides) >= 0
+            and x.strides[0] % item == 0 and x.strides[1] % item == 0):
+        x = np.ascontiguousarray(x)
+    steps = (x.strides[0] // item, x.strides[1] // item)
+    span = (x.shape[0] - 1) * steps[0] + (x.shape[1] - 1) * steps[1] + x.shape[2] if x.size else 0
+    return np.lib.stride_tricks.as_strided(x, shape=(span,), strides=(item,), writeable=False), steps
 
 
 @kernel(strided=("v",))
@@ -306,3 +356,16 @@ def packed_kv(k, v, block_k, lanes, panel_width):
     if kt.size:
         pack_tiles(k, v, block_k, panel_width, kt, None, None, vn)
     return kt, vn
+
+
+def packed_varlen(k, v, cu_k, seqs, block_k, lanes, panel_width, n_tiles):
+    """``(kt, vt)``: the tile lists ``pack_varlen`` makes from (total_k, Hkv, D/Dv) ``k``, ``v``
+    of any strides, in this thread's workspaces."""
+    d, dv = k.shape[2], v.shape[2]
+    dv_pad = -(-dv // lanes) * lanes
+    kt = workspace("keys", (n_tiles, d * block_k), k.dtype)
+    vt = workspace("values", (n_tiles, block_k * dv_pad), k.dtype)
+    if n_tiles:
+        pack_varlen(*flat_rows(k), *flat_rows(v), cu_k, seqs, d, dv, block_k, panel_width, kt,
+                    vt)
+    return kt, vt
