@@ -93,8 +93,11 @@ def run_job(name):
     n_q = 1 if kind.startswith("decode") else 40
     q = rng.standard_normal((1, 2, n_q, 16)).astype(dt)
     k, v = (rng.standard_normal((1, 2, 40, 16)).astype(dt) for _ in range(2))
-    if kind == "forward":
+    if kind == "forward":  # dense, then packed sequences (the same kernel, their own packing)
         cpuflash.attention(q, k, v, return_lse=True)
+        cu = np.array([0, 15, 40])
+        cpuflash.attention_varlen(q[0].transpose(1, 0, 2), k[0].transpose(1, 0, 2),
+                                  v[0].transpose(1, 0, 2), cu, cu)
     elif kind == "backward":  # out and lse from the reference: no forward kernel compiled here
         out, lse = cpuflash.reference.attention(q, k, v, return_lse=True)
         cpuflash.attention_backward(q, q, k, v, out.astype(dt), lse.astype(dt))
