@@ -8,9 +8,11 @@ The model lives in ``cpuflash.models.minilm`` (``cpuflash demo`` runs the same c
 import os
 import sys
 
-# numpy matmuls and cpuflash alternate: let idle OpenMP threads sleep rather than spin (read
-# once, when Numba starts its threads; see cpuflash.models.demo.quiet_openmp)
+# numpy matmuls and cpuflash alternate: let idle OpenMP (Numba) and OpenBLAS (numpy) threads
+# sleep rather than spin; both are read once, so before numpy and Numba start their threads
+# (see cpuflash.models.demo.QUIET_THREADS)
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 
 import numpy as np  # noqa: E402
 
