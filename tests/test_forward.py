@@ -195,3 +195,24 @@ def test_contiguous_packing_equals_the_strided_packing(dtype, n, d):
         kt, vn = pack.packed_kv(k, v, block_k, lanes, width)
         assert np.array_equal(kt, want[0], equal_nan=True)
         assert np.array_equal(vn, want[3], equal_nan=True)
+
+
+def test_a_sharp_row_keeps_the_sum_of_many_tiny_tiles(kernels):
+    # One key with probability ~1, then 2047 keys each e^-22.3 ~ 2e-10 of it: every later key
+    # tile adds ~3e-8 to the row sum, under half an ulp of 1 (6e-8). Summed over tiles in
+    # float32 the row sum stayed exactly 1 and the output 1.0, 4e-7 (7 ulps) above the true
+    # 1 / (1 + 4e-7); the sum over tiles runs in float64 (forward.py). What remains: the
+    # first tile's own float32 sum (its tiny keys next to the 1) and l rounded to float32
+    # for the division: 1.8e-7 (3 ulps) on AVX-512.
+    n, d = 2048, 16
+    q = np.zeros((1, 1, 1, d), dtype=np.float32)
+    q[..., 0] = 1.0
+    k = np.zeros((1, 1, n, d), dtype=np.float32)
+    k[0, 0, 1:, 0] = -22.3
+    v = np.zeros((1, 1, n, d), dtype=np.float32)
+    v[0, 0, 0] = 1.0
+    q8 = np.repeat(q, 8, axis=2)  # 8 query rows: the tiled path, not decoding
+    out, lse = cpuflash.attention(q8, k, v, scale=1.0, return_lse=True)
+    want, want_lse = reference.attention(q8, k, v, scale=1.0, return_lse=True)
+    assert 1.0 - want[0, 0, 0, 0] > 3e-7  # the tiny keys matter at float32 precision
+    assert np.abs(out - want).max() <= 2.5e-7 and np.abs(lse - want_lse).max() <= 2.5e-7
