@@ -208,3 +208,22 @@ OUT, LSE = cpuflash.attention(Q, K, V, return_lse=True)
 def test_bad_input(args, exc, words):
     with pytest.raises(exc, match=words):
         cpuflash.attention_backward(*args)
+
+
+@pytest.mark.parametrize("d", [40, 64])
+def test_one_hot_rows_give_their_value_and_dout_exactly(d, kernels):
+    # Each query sees its own key with score 9 * scale = 90 and every other key with 0: one-hot
+    # rows (the others' e^-90 is far below float32's resolution). Scores in natural units make
+    # the row's lse exactly its largest score, so the backward pass's P = exp(S - lse) is
+    # exactly 1 and dV = dO, bit for bit. With scores in base 2 (Q carrying scale * log2(e),
+    # until stop 30) the lse, stored in natural units, was the base-2 maximum times ln 2,
+    # rounded: P came out as 1 +- a few 1e-6.
+    n = 40
+    q = np.zeros((1, 2, n, d), dtype=np.float32)
+    for i in range(n):
+        q[:, :, i, i % d] = 3.0
+    v, dout = rands((1, 2, n, d), (1, 2, n, d))
+    out, lse = cpuflash.attention(q, q, v, scale=10.0, return_lse=True)
+    assert np.array_equal(out, v) and np.all(lse == np.float32(90.0))
+    dq, dk, dv = cpuflash.attention_backward(dout, q, q, v, out, lse, scale=10.0)
+    assert np.array_equal(dv, dout)

@@ -3,12 +3,12 @@
 Saved from the forward pass: ``out`` and ``lse`` only. With ``delta_i = rowsum(dO_i * O_i)``,
 for each key tile of a task's chunk, and each query block of each query head of its GQA group:
 
-    S   = Q @ K_tile^T                 # base-2 units: Q pre-multiplied by scale * log2(e)
-    P   = 2^(S - lse_i * log2(e))      # the forward's probabilities, regenerated
+    S   = Q @ K_tile^T                 # Q pre-multiplied by scale, as in the forward pass
+    P   = 2^((S - lse_i) * log2(e))    # the forward's probabilities, regenerated
     dP  = dO @ V_tile^T
     dS  = P * (dP - delta_i)
     dV_tile += P^T @ dO                # owned by this task: written once, at the tile's end
-    dK_tile += dS^T @ Q                # times ln 2: undoes the log2(e) folded into Q
+    dK_tile += dS^T @ Q                # Q carries the scale
     dQ[chunk] += dS @ K_tile           # one partial per key chunk, summed in chunk order
 
 A task owns its key tiles' dK/dV outright. Its dQ contributions go to a partial buffer of its
@@ -18,7 +18,6 @@ tile, the same micro-kernels and exp2 as the forward pass; never built in full: 
 matrix. Memory: packed K/V (three O(Nk) copies) and ``n_chunks`` dQ partials.
 """
 import functools
-import math
 
 import numpy as np
 from numba import prange
@@ -33,27 +32,25 @@ from .dropout import dropout_row
 from .scores import modify_row, tanh_grad_row
 from .pack import (pack_tiles, packed_rows, packed_transposed, reusable,
                    workspace)
-from .tiles import (exp2_shifted2, softmax_grad_row, tile_product_add, tile_product_kahan,
+from .tiles import (exp_shifted, softmax_grad_row, tile_product_add, tile_product_kahan,
                     tile_product_softmax_grad, tile_product_store)
 
-LN2 = math.log(2.0)
-LOG2_E = 1.0 / LN2
 PORTABLE = False  # True in ``backward_portable``: a compile-time constant (_jit.portable_twin)
 TASKS_WANTED = 4  # key chunks per (batch, kv head) are added until there are this many tasks
 
 
-@kernel(strided=("mask_bools", "mask_adds", "tile_state"), read_only=("kv_lens", "slopes2"))
-def backward(qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad,
-             left, right, kv_lens, softcap2, slopes2, mask_bools, mask_adds, mask_is_bool,
+@kernel(strided=("mask_bools", "mask_adds", "tile_state"), read_only=("kv_lens", "slopes"))
+def backward(qp, dout, lse_p, delta, kt, vtt, kn, block_q, d_pad, dv_pad,
+             left, right, kv_lens, softcap, slopes, mask_bools, mask_adds, mask_is_bool,
              tile_state, drop_below, seed, chunk_starts, dq_part, dk, dv, scale, dq):
-    """qp: (B, Hq, n_qb * block_q, d_pad) Q times ``scale * log2(e)``, zero-padded, contiguous.
+    """qp: (B, Hq, n_qb * block_q, d_pad) Q times ``scale``, zero-padded, contiguous.
     dout: (B, Hq, Nq, Dv), contiguous. left, right, kv_lens: the band (masking.py).
-    softcap2, slopes2 (B, Hq): score modifiers in base-2 units, 0 for off (scores.py).
+    softcap, slopes (B, Hq): score modifiers, 0 for off (scores.py).
     mask_bools, mask_adds, mask_is_bool, tile_state: the caller's mask and its tile table
     (masks.UserMask).
     drop_below, seed: dropout (dropout.py), the forward's; ``drop_below = 0`` for none.
-    lse2 + lse2_lo: (B, Hq, Nq) lse in base 2 as a sum of two floats, ``+inf`` for rows that
-    see no key (so their P is 0). delta: (B, Hq, Nq).
+    lse_p: (B, Hq, Nq) the forward's lse, ``+inf`` for rows that see no key (so their P is 0).
+    delta: (B, Hq, Nq).
     kt, vtt: K and V tiles transposed, kn: K tiles as rows (pack.py). chunk_starts: key-tile
     boundaries of the chunks. dq_part: (n_chunks, B, Hq, n_qb * block_q, d_pad), scratch (each
     task zeroes its part).
@@ -76,7 +73,7 @@ def backward(qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad
     direct = n_dv == dv_pad
     qp_flat, do_flat = qp.reshape(-1), dout.reshape(-1)
     rows_q = qp.shape[2]
-    modify = softcap2 != 0.0 or np.any(slopes2 != 0.0)
+    modify = softcap != 0.0 or np.any(slopes != 0.0)
     ld_s = block_k + simd.lanes_of(dk)  # score rows a vector longer: see forward.py
     n_k_all = mask_bools.shape[3]
     n_k_arr = dk.shape[2]
@@ -90,7 +87,7 @@ def backward(qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad
         do_s = np.zeros(block_q * dv_pad, dtype=dk.dtype)  # dO block, when copied
         s = np.empty(block_q * ld_s, dtype=dk.dtype)       # S, then P
         ds = np.empty(block_q * ld_s, dtype=dk.dtype)      # dP, then dS
-        t_cap = np.zeros(block_q * ld_s if softcap2 != 0.0 else 0, dtype=dk.dtype)  # tanh
+        t_cap = np.zeros(block_q * ld_s if softcap != 0.0 else 0, dtype=dk.dtype)  # tanh
         dk_acc = np.empty(block_k * d_pad, dtype=dk.dtype)
         dv_acc = np.empty(block_k * dv_pad, dtype=dk.dtype)
         dk_comp = np.empty(block_k * d_pad, dtype=dk.dtype)  # Kahan compensation terms
@@ -103,7 +100,6 @@ def backward(qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad
         dq_tile = np.empty(n_part * block_q * d_pad, dtype=dk.dtype)
         dp_tile = np.empty(n_part * block_q * block_k, dtype=dk.dtype)  # S, dP
         lse_r = np.empty(block_q, dtype=dk.dtype)
-        lse_lo = np.empty(block_q, dtype=dk.dtype)
         delta_r = np.empty(block_q, dtype=dk.dtype)
         max_unused = np.empty(block_q, dtype=dk.dtype)  # row maxima of the masking pass
         for kb in range(chunk_starts[chunk], chunk_starts[chunk + 1]):
@@ -130,12 +126,10 @@ def backward(qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad
                     row0 = (b * n_hq + h) * n_q + q0
                     for r in range(block_q):
                         if r < rows:
-                            lse_r[r] = lse2[b, h, q0 + r]
-                            lse_lo[r] = lse2_lo[b, h, q0 + r]
+                            lse_r[r] = lse_p[b, h, q0 + r]
                             delta_r[r] = delta[b, h, q0 + r]
                         else:  # padding rows: P = 0 and dO = 0, so they add nothing
                             lse_r[r] = np.inf
-                            lse_lo[r] = 0.0
                             delta_r[r] = 0.0
                     qa, qa_off = qp_flat, ((b * n_hq + h) * rows_q + q0) * d_pad
                     if direct and rows == block_q:
@@ -155,16 +149,16 @@ def backward(qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad
                     if modify:
                         for r in range(rows):
                             modify_row(s, r * ld_s, block_k, q0 + r + n_k - n_q, k0,
-                                       softcap2, slopes2[b, h], t_cap, PORTABLE)
+                                       softcap, slopes[b, h], t_cap, PORTABLE)
                     if state == MIXED:
                         apply_user_mask(s, 0, ld_s, rows, mask_bools, mask_adds, mask_is_bool,
-                                        b, h, q0, k0, min(block_k, n_k_all - k0), LOG2_E,
+                                        b, h, q0, k0, min(block_k, n_k_all - k0), 1.0,
                                         max_unused)
                     if tile_needs_mask(q0, q0 + rows, k0, block_k, n_q, n_k, left, right):
                         mask_tile(s, ld_s, rows, q0, k0, block_k, n_q, n_k, left, right,
                                   -np.inf)
                     for r in range(block_q):
-                        exp2_shifted2(s, r * ld_s, block_k, lse_r[r], lse_lo[r], PORTABLE)
+                        exp_shifted(s, r * ld_s, block_k, lse_r[r], PORTABLE)
                     # Padding rows: P = 0 exactly, even where a NaN key made their score NaN.
                     s[rows * ld_s:] = 0.0
                     # dP = dO V^T, then dS = P * (dP - delta) (dropout first drops dP's keys)
@@ -186,7 +180,7 @@ def backward(qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad
                         for r in range(rows):
                             dropout_row(s, r * ld_s, block_k, seed,
                                         (b * n_hq + h) * n_q + q0 + r, k0, drop_below, inv_keep)
-                    if softcap2 != 0.0:  # back through the tanh to the raw scores
+                    if softcap != 0.0:  # back through the tanh to the raw scores
                         for r in range(rows):
                             tanh_grad_row(ds, t_cap, r * ld_s, block_k, PORTABLE)
                     # dV += P^T dO and dK += dS^T Q: P and dS read transposed (row stride 1).
@@ -206,7 +200,7 @@ def backward(qp, dout, lse2, lse2_lo, delta, kt, vtt, kn, block_q, d_pad, dv_pad
                                      dq_flat, 0, dq_flat, 0, dq_tile, PORTABLE)
             for j in range(n_valid):
                 for dd in range(d):
-                    dk[b, hk, k0 + j, dd] = dk_acc[j * d_pad + dd] * LN2  # Q carried log2(e)
+                    dk[b, hk, k0 + j, dd] = dk_acc[j * d_pad + dd]
                 for c in range(n_dv):
                     dv[b, hk, k0 + j, c] = dv_acc[j * dv_pad + c]
         if n_chunks == 1:  # as finish_dq does, without its own pass and parallel region
@@ -221,15 +215,14 @@ backward_portable = portable_twin(backward)
 
 
 @kernel(strided=("dout", "out", "lse", "q"))
-def row_terms(dout, out, lse, q, factor, lse2, lse2_lo, delta, qp):
+def row_terms(dout, out, lse, q, factor, lse_p, delta, qp):
     """The per-row terms of the backward pass, (B, H, Nq) each, one pass over ``dout``/``out``,
-    and Q in base-2 units: ``qp[b, h, i, :D] = q[b, h, i, :] * factor`` (the product in
+    and Q scaled: ``qp[b, h, i, :D] = q[b, h, i, :] * factor`` (the product in
     float64, rounded once, as the forward kernel scales its Q blocks; qp's padding rows and
     columns stay as they are), in the same parallel region:
 
-    * ``lse2 + lse2_lo``: lse in base 2 as a sum of two floats of the compute dtype (the exact
-      float64 product rounded, and its rounding error; see ``tiles.exp2_shifted2``), ``+inf``
-      for a row that saw no key (``lse = -inf``: its P = 2^(S - inf) = 0).
+    * ``lse_p``: ``lse``, but ``+inf`` for a row that saw no key (``lse = -inf``: its
+      P = e^(S - inf) = 0; see ``tiles.exp_shifted``).
     * ``delta = rowsum(dO * O)``, summed in float64: ``dS = P * (dP - delta)`` cancels where
       ``dP ~ delta``, so delta's rounding would show directly in the gradients.
     """
@@ -241,9 +234,7 @@ def row_terms(dout, out, lse, q, factor, lse2, lse2_lo, delta, qp):
             for dd in range(d):
                 qp[b, h, i, dd] = q[b, h, i, dd] * factor
             x = lse[b, h, i]
-            exact = np.inf if x == -np.inf else np.float64(x) * LOG2_E
-            lse2[b, h, i] = exact  # rounded to the compute dtype by the store
-            lse2_lo[b, h, i] = exact - lse2[b, h, i] if np.isfinite(exact) else 0.0
+            lse_p[b, h, i] = np.inf if x == -np.inf else x
             # four partial sums: four chains of float64 adds, not one, run side by side
             t0 = t1 = t2 = t3 = 0.0
             n_four = n_dv // 4 * 4
@@ -311,7 +302,6 @@ def run_backward(dout, q, k, v, out, lse, scale, band, mods, user_mask, drop, po
     """Gradients for 4-D arrays of one compute dtype; returns contiguous (dq, dk, dv).
     ``band``: the ``(left, right, kv_lens)`` of masking.py; ``mods``: ``(softcap, slopes)``."""
     left, right, kv_lens = band
-    softcap2, slopes2 = mods[0] * LOG2_E, mods[1] * LOG2_E
     n_b, n_hq, n_q, d = q.shape
     n_hkv, n_k, n_dv = v.shape[1], v.shape[2], v.shape[3]
     dtype = q.dtype
@@ -354,18 +344,17 @@ def run_backward(dout, q, k, v, out, lse, scale, band, mods, user_mask, drop, po
     # its own part of it, in cache for its first products.
     n_chunks = starts.size - 1
     dq_part = workspace("dq_part", (n_chunks, n_b, n_hq, n_qb * block_q, d_pad), dtype)
-    # Q scaled to base-2 units exactly as the forward pass scales it (a float64 product rounded
+    # Q scaled exactly as the forward pass scales it (a float64 product rounded
     # once), in zero-padded rows: one O(N) copy that every key tile reads in place.
     qp = workspace("q_scaled", (n_b, n_hq, n_qb * block_q, d_pad), dtype)
     if n_q % block_q or d != d_pad:  # padding rows or columns: zero
         qp.fill(0.0)
-    lse2 = np.empty(lse.shape, dtype=dtype)
-    lse2_lo = np.empty(lse.shape, dtype=dtype)
+    lse_p = np.empty(lse.shape, dtype=dtype)
     delta = np.empty(lse.shape, dtype=dtype)
-    row_terms(dout, out, lse, q, scale * LOG2_E, lse2, lse2_lo, delta, qp)
+    row_terms(dout, out, lse, q, scale, lse_p, delta, qp)
     dout = np.ascontiguousarray(dout)  # the kernel reads it flat (do_flat)
-    run_dynamic(backward_portable if portable else backward, qp, dout, lse2, lse2_lo, delta, kt,
-                vtt, kn, block_q, d_pad, dv_pad, left, right, kv_lens, softcap2, slopes2,
+    run_dynamic(backward_portable if portable else backward, qp, dout, lse_p, delta, kt,
+                vtt, kn, block_q, d_pad, dv_pad, left, right, kv_lens, mods[0], mods[1],
                 *user_mask.kernel_args(), user_mask.tile_states(block_q, block_k), drop[0],
                 drop[1], starts, dq_part, dk, dv, scale, dq)
     if n_chunks > 1:  # else the kernel wrote dQ; here the partials are summed in chunk order

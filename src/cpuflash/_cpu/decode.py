@@ -331,7 +331,7 @@ def decode(q, kf, k_strides, k_storage, prefetch, vf, v_strides, k_scale, ks_str
                             if not (jj < n_c and first_r[r] <= c0 + jj <= last_r[r]):
                                 s[row + jj] = -np.inf
                 online_softmax(s, sc, ld_s, CHUNK, rows, m_i, l_tile, alpha_i, l_tile, False,
-                               False)
+                               False, False)  # scores in base 2
                 for r in range(rows):
                     row = r * ld_s + sc
                     l_i[r] = alpha_i[r] * l_i[r] + l_tile[r]

@@ -1,17 +1,24 @@
 """Forward pass: prange over (batch*head, q-block); K/V streamed in packed tiles.
 
-For one block of ``block_q`` query rows, with ``Q`` pre-multiplied by ``scale * log2(e)`` so
-scores are in base-2 units:
+For one block of ``block_q`` query rows, with ``Q`` pre-multiplied by ``scale``:
 
     m = -inf, l = 0, acc = 0                        # per row: running max, sum, output
     for each key tile the block can see:
         S   = Q @ K_tile^T                          # (block_q, block_k), in L1/L2
         S   = -inf where masked                     # only on tiles that cross a mask edge
         m'  = max(m, rowmax(S))
-        P   = 2^(S - m');  alpha = 2^(m - m')
+        P   = e^(S - m');  alpha = e^(m - m')
         l   = alpha * l + rowsum(P)
         acc = alpha * acc + P @ V_tile
-    out = acc / l;  lse = ln(2) * (m + log2(l))
+    out = acc / l;  lse = m + ln(l)
+
+The scores stay in natural units, as torch's: a row's largest score is a float of the dtype,
+and a one-hot row's lse is exactly it, so the backward pass's ``P = exp(S - lse)`` is exactly 1
+there. (Until stop 30 Q carried ``scale * log2(e)``: scores 1.44 times larger, rounded up to
+twice as coarsely, and the lse, stored in natural units, no longer equal to any score: the
+backward's dV on sharp rows had twice torch's error.) The difference ``S - m'`` comes first:
+exact near the maximum, and exactly 0 at it (``tiles.exp_shifted_sum``), and e^x from it without
+rounding ``x log2(e)`` as a whole (``simd.vexp``).
 
 Never built in full: the (Nq, Nk) score matrix. Scratch per task is O(block_q * (D + block_k +
 Dv)). Every task writes only its own rows of ``out``/``lse``, so the result is bitwise the same
@@ -59,8 +66,8 @@ def balanced_order(j, n):
 
 
 @kernel(strided=("q", "mask_bools", "mask_adds", "tile_state"),
-        read_only=("seqs", "kv_lens", "slopes2", "seeds"))
-def forward(q, kt, vt, n_hkv, block_q, scale2, left, right, seqs, kv_lens, softcap2, slopes2,
+        read_only=("seqs", "kv_lens", "slopes", "seeds"))
+def forward(q, kt, vt, n_hkv, block_q, scale, left, right, seqs, kv_lens, softcap, slopes,
             mask_bools, mask_adds, mask_is_bool, tile_state, drop_below, seeds, out_flat,
             out_layout, lse):
     """Attention forward on packed K/V, for the sequences of the table ``seqs``
@@ -68,9 +75,9 @@ def forward(q, kt, vt, n_hkv, block_q, scale2, left, right, seqs, kv_lens, softc
 
     q: (Bq, Hq, rows, D) any strides, float32/float64. kt, vt: (tiles, D * block_k) and
     (tiles, block_k * Dv_pad), laid out as ``pack.packed_kv`` makes them; n_hkv: key heads.
-    block_q: the largest query block in ``seqs``. scale2: ``scale * log2(e)``.
+    block_q: the largest query block in ``seqs``. scale: the scores' scale.
     left, right, kv_lens: the band of keys each row sees (masking.py); kv_lens: (S,) int64.
-    softcap2, slopes2 (S, Hq): the score modifiers in base-2 units, 0 for off (scores.py).
+    softcap, slopes (S, Hq): the score modifiers, 0 for off (scores.py).
     mask_bools, mask_adds, mask_is_bool, tile_state: the caller's mask and its tile table
     (masks.UserMask), by sequence.
     drop_below, seeds (S,): dropout (dropout.py); ``drop_below = 0`` for none.
@@ -91,7 +98,7 @@ def forward(q, kt, vt, n_hkv, block_q, scale2, left, right, seqs, kv_lens, softc
     # Score rows one vector longer than the tile: rows a power of two apart (1 KiB at 256 keys)
     # alias in L1 and in the store-to-load forwarding of the tile products.
     ld_s = block_k + simd.lanes_of(out_flat)
-    modify = softcap2 != 0.0 or np.any(slopes2 != 0.0)
+    modify = softcap != 0.0 or np.any(slopes != 0.0)
     no_t = np.empty(0, dtype=out_flat.dtype)
     n_k_all = mask_bools.shape[3]
     inv_keep = 2.0**32 / (2.0**32 - drop_below)  # 1 / (1 - p)
@@ -106,7 +113,7 @@ def forward(q, kt, vt, n_hkv, block_q, scale2, left, right, seqs, kv_lens, softc
         q0 = qb * bq
         rows = min(bq, n_q - q0)
         out_row0 = q_b * out_layout[0] + h * out_layout[1] + (row0 + q0) * out_layout[2]
-        q_s = np.zeros(block_q * d, dtype=out_flat.dtype)   # Q block, scaled to base-2 units
+        q_s = np.zeros(block_q * d, dtype=out_flat.dtype)   # Q block, scaled
         s = np.empty(block_q * ld_s, dtype=out_flat.dtype)  # scores, then probabilities
         acc = np.zeros(block_q * dv_pad, dtype=out_flat.dtype)
         m_i = np.full(block_q, -np.inf, dtype=out_flat.dtype)
@@ -118,7 +125,7 @@ def forward(q, kt, vt, n_hkv, block_q, scale2, left, right, seqs, kv_lens, softc
         row_vmax = np.empty(block_q * simd.lanes_of(out_flat), dtype=out_flat.dtype)
         for r in range(rows):
             for dd in range(d):
-                q_s[r * d + dd] = q[q_b, h, row0 + q0 + r, dd] * scale2  # as backward.row_terms
+                q_s[r * d + dd] = q[q_b, h, row0 + q0 + r, dd] * scale  # as backward.row_terms
         kb_lo, kb_hi = tile_key_range(q0, q0 + rows, n_q, n_k, block_k, left, right)
         for kb in range(kb_lo, kb_hi):
             state = tile_state[b, h, qb, kb]
@@ -134,12 +141,12 @@ def forward(q, kt, vt, n_hkv, block_q, scale2, left, right, seqs, kv_lens, softc
             max_given = not modify
             if modify:
                 for r in range(rows):
-                    modify_row(s, r * ld_s, block_k, q0 + r + n_k - n_q, k0, softcap2,
-                               slopes2[b, h], no_t, PORTABLE)
+                    modify_row(s, r * ld_s, block_k, q0 + r + n_k - n_q, k0, softcap,
+                               slopes[b, h], no_t, PORTABLE)
             if state == MIXED:
                 n_cols = min(block_k, n_k_all - k0)
                 apply_user_mask(s, 0, ld_s, rows, mask_bools, mask_adds, mask_is_bool, b, h,
-                                q0, k0, n_cols, LOG2_E, tile_max)
+                                q0, k0, n_cols, 1.0, tile_max)
                 max_given = n_cols == block_k
                 if max_given:  # padding rows: their scores are 0 (Q zero-padded), or NaN
                     for r in range(rows, bq):
@@ -148,7 +155,7 @@ def forward(q, kt, vt, n_hkv, block_q, scale2, left, right, seqs, kv_lens, softc
                 mask_tile(s, ld_s, rows, q0, k0, block_k, n_q, n_k, left, right, -np.inf)
                 max_given = False
             online_softmax(s, 0, ld_s, block_k, bq, m_i, l_tile_sums, alpha_i, tile_max,
-                           max_given, PORTABLE)
+                           max_given, True, PORTABLE)
             for r in range(bq):
                 # In float64: in a sharp row, the largest probability is 1 and each later
                 # tile adds less than half an ulp of 1; float32 lost every such tile's sum
@@ -171,9 +178,10 @@ def forward(q, kt, vt, n_hkv, block_q, scale2, left, right, seqs, kv_lens, softc
                     out_flat[at + c] = 0.0
                 lse[q_b, h, row0 + q0 + r] = -np.inf
             else:  # a true division: one rounding, not two
+                # in float64: exactly m where l = 1 (a one-hot row)
+                lse[q_b, h, row0 + q0 + r] = m_i[r] + np.log(l_i[r])
                 l_tile_sums[r] = l_i[r]  # rounded to the compute dtype, as acc
                 divide_row(out_flat, at, acc, r * dv_pad, dv, l_tile_sums[r], PORTABLE)
-                lse[q_b, h, row0 + q0 + r] = (m_i[r] + np.log2(l_i[r])) * LN2
 
 
 forward_portable = portable_twin(forward)
@@ -209,7 +217,6 @@ def run_forward(q, k, v, scale, band, mods, user_mask, drop, portable, out=None,
     if decoded is not None:
         return decoded
     left, right, kv_lens = band
-    softcap2, slopes2 = mods[0] * LOG2_E, mods[1] * LOG2_E
     if kv_scales is not None:  # int8 times its per-token scale, in the compute dtype
         k, v = (x * x_scale[..., None].astype(q.dtype) for x, x_scale in zip((k, v), kv_scales))
     k, v = (x if x.dtype == q.dtype else x.astype(q.dtype) for x in (k, v))
@@ -218,8 +225,8 @@ def run_forward(q, k, v, scale, band, mods, user_mask, drop, portable, out=None,
     block_q = config.block_q(n_q, d, n_b * n_hq, numba.get_num_threads())
     seqs, _ = sequences.dense(n_b, n_hq, n_q, block_q, k.shape[1], kt.shape[1])
     run_dynamic(forward_portable if portable else forward, q, kt.reshape(-1, kt.shape[2]),
-                vt.reshape(-1, vt.shape[2]), k.shape[1], block_q, scale * LOG2_E, left, right,
-                seqs, kv_lens, softcap2, slopes2, *user_mask.kernel_args(),
+                vt.reshape(-1, vt.shape[2]), k.shape[1], block_q, scale, left, right,
+                seqs, kv_lens, mods[0], mods[1], *user_mask.kernel_args(),
                 user_mask.tile_states(block_q, block_k), drop[0], np.full(n_b, drop[1]),
                 out.reshape(-1), (n_hq * n_q * dv, n_q * dv, dv, dv), lse)
     return out, lse
@@ -251,8 +258,8 @@ def run_varlen(q, k, v, cu_q, cu_k, scale, band, mods, drop, portable):
     no_mask = UserMask(None, n_seq, n_hq, block_q * int(seqs[:, N_QB].max()),
                        block_k * max(1, int(seqs[:, TILES].max())), q.dtype)
     run_dynamic(forward_portable if portable else forward, q.transpose(1, 0, 2)[None], kt, vt,
-                n_hkv, block_q, scale * LOG2_E, band[0], band[1], seqs, k_lens.astype(np.int64),
-                mods[0] * LOG2_E, mods[1] * LOG2_E, *no_mask.kernel_args(),
+                n_hkv, block_q, scale, band[0], band[1], seqs, k_lens.astype(np.int64),
+                mods[0], mods[1], *no_mask.kernel_args(),
                 no_mask.tile_states(block_q, block_k), drop[0], drop[1], out.reshape(-1),
                 (0, dv, n_hq * dv, dv), lse)
     return out, lse.reshape(n_hq, total_q)

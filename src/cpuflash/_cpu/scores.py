@@ -1,11 +1,10 @@
 """Score modifiers applied to each score tile right after ``S = Q K^T``, before masking.
 
-All in base-2 units (the kernels fold ``log2(e)`` into Q, and the caller folds it into the
-constants here):
+In the units of the kernel's scores: natural in the forward and backward passes; base 2 in the
+decode kernel, which folds ``log2(e)`` into Q and its caller into the constants here:
 
-* softcap: ``s = c * tanh(s / c)`` (``c = softcap * log2(e)``; in natural units the same
-  formula with ``softcap``).
-* ALiBi: ``s -= slope * |i + off - j|`` (``slope = alibi_slope * log2(e)``).
+* softcap: ``s = c * tanh(s / c)`` (``c = softcap``, or ``softcap * log2(e)`` in base 2).
+* ALiBi: ``s -= slope * |i + off - j|`` (``slope = alibi_slope``, or times ``log2(e)``).
 
 ``tanh`` by two branches, both computed, one selected per lane: for ``|y| < 1/4`` its odd
 Taylor series to ``y^9`` (truncation < 1e-8 relative), so small scores keep their relative

@@ -15,6 +15,7 @@ the CPU name and features, stays valid.
 """
 import math
 
+import numpy as np
 from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic, models, register_model
@@ -356,6 +357,9 @@ def vhmax(typingctx, v):
 # scores vanish), and values below 2^-126 flush to 0 (under 1e-38 of the row max, far below
 # float32 resolution). x must be <= 0 (scores minus their running max) or at least below 2^m.
 
+LOG2_E = 1.0 / math.log(2.0)
+LOG2_E_LO = 2.0355273740931033e-17  # log2(e) - LOG2_E, for float64
+
 # float32: near-minimax degree 6 on [-0.5, 0.5], max relative error 1.0e-7 (float32 rounding).
 EXP2_F32 = (1.0, 0.6931471824645996, 0.24022646248340607, 0.05550329014658928,
             0.009618519805371761, 0.0013399859890341759, 0.00015337577497120947)
@@ -367,7 +371,12 @@ def exp2_coefficients(bits):
     return EXP2_F32 if bits == 32 else EXP2_F64
 
 
-def _exp2_ir(builder, x):
+def _exp2_ir(builder, x, natural=False):
+    """2^x; with ``natural``, e^x = 2^(x log2(e)), the product never rounded as a whole: n
+    from the rounded product, then ``f = x * log2(e) - n`` by two fused multiply-adds with
+    log2(e) split into a float and its remainder, so f (at most 0.5) carries the rounding of
+    its own size only. (Rounding ``x * log2(e)`` first costs half an ulp of the product in
+    the exponent: 2^-24 * |x| relative in e^x, 1.2e-6 at x = -20.)"""
     vty = x.type
     fty = vty.element
     bits = 32 if isinstance(fty, ir.FloatType) else 64
@@ -378,12 +387,24 @@ def _exp2_ir(builder, x):
         return ir.Constant(ty, [c] * vty.count)
 
     lowest = splat(float(-bias))
-    # max(lowest, x) that keeps a NaN x: "lowest > x" is false for NaN (one vmaxps on x86).
-    xc = builder.select(builder.fcmp_ordered(">", lowest, x), lowest, x)
+    if natural:
+        unit_hi = float(np.float32(LOG2_E)) if bits == 32 else LOG2_E
+        unit_lo = LOG2_E - unit_hi if bits == 32 else LOG2_E_LO
+        y = builder.fmul(x, splat(unit_hi))
+    else:
+        y = x
+    # max(lowest, y) that keeps a NaN y: "lowest > y" is false for NaN (one vmaxps on x86).
+    below = builder.fcmp_ordered(">", lowest, y)
+    xc = builder.select(below, lowest, y)
     magic = splat(1.5 * 2.0 ** mant + bias)
-    t = builder.fadd(xc, magic)               # round(x) + bias in the low mantissa bits
-    n = builder.fsub(t, magic)                # round(x), exactly
-    f = builder.fsub(xc, n)                   # in [-0.5, 0.5]
+    t = builder.fadd(xc, magic)               # round(y) + bias in the low mantissa bits
+    n = builder.fsub(t, magic)                # round(y), exactly
+    if natural:
+        f = _fma(builder, x, splat(unit_hi), builder.fsub(splat(0.0), n))
+        f = _fma(builder, x, splat(unit_lo), f)
+        f = builder.select(below, splat(0.0), f)  # x = -inf: f would be -inf, and p * 0 NaN
+    else:
+        f = builder.fsub(xc, n)               # in [-0.5, 0.5]
     coeffs = exp2_coefficients(bits)
     p = splat(coeffs[-1])
     for c in coeffs[-2::-1]:
@@ -400,6 +421,19 @@ def vexp2(typingctx, v):
 
     def codegen(context, builder, sig, args):
         return _exp2_ir(builder, args[0])
+
+    return v(v), codegen
+
+
+@intrinsic
+def vexp(typingctx, v):
+    """e**v lane by lane, for v <= 0 (scores minus their running max): ``_exp2_ir``'s natural
+    mode."""
+    if not isinstance(v, Vec):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return _exp2_ir(builder, args[0], natural=True)
 
     return v(v), codegen
 

@@ -7,6 +7,8 @@ vectors (callers pad), so no step has a tail.
 ``portable=True`` selects plain loops that any CPU Numba supports runs; the tests run both.
 The branch is taken once per tile, never inside an inner loop.
 """
+import math
+
 import numpy as np
 
 from .. import config
@@ -306,29 +308,27 @@ def tile_product_ahead(c, c_off, ldc, a, a_off, a_rs, a_ks, b, b_off, b_ld, rows
 # would fall below 2^-126 into subnormals, which cost a microcode assist each (measured at
 # N=2048 with ALiBi, whose far keys get P ~ 2^-100: backward 1.40x plain causal -> 1.05x).
 P_FLUSH_BELOW = -64.0
+P_FLUSH_BELOW_E = P_FLUSH_BELOW * math.log(2.0)  # the same, for natural exponents
 
 
 @helper
-def exp2_shifted2(s, off, n, shift_hi, shift_lo, portable):
-    """``s[j] = 2**((s[j] - shift_hi) - shift_lo)`` in place over ``s[off:off+n]``.
-
-    The shift is carried as two floats, ``hi + lo``: where ``2**(s - shift)`` matters, ``s`` is
-    close to ``hi`` and ``s - hi`` is exact, so the shift's own rounding (half an ulp of a
-    log-sum-exp, 5e-7 at 9.0 in float32) does not enter the probability.
-    """
+def exp_shifted(s, off, n, shift, portable):
+    """``s[j] = e**(s[j] - shift)`` in place over ``s[off:off+n]``: the backward pass's
+    ``P = exp(S - lse)``. The difference first: where ``P`` matters, ``s`` is close to
+    ``shift`` and ``s - shift`` is exact, so a one-hot row's ``P`` is exactly 1, as the forward
+    pass's (its lse is that row's largest score: see ``online_softmax``)."""
     if portable:
         for j in range(off, off + n):
-            x = (s[j] - shift_hi) - shift_lo
-            s[j] = np.exp2(x) if not x < P_FLUSH_BELOW else 0.0
+            x = s[j] - shift
+            s[j] = np.exp(x) if not x < P_FLUSH_BELOW_E else 0.0
         return
     lanes = simd.lanes_of(s)
-    hi_v = simd.vsplat(s, shift_hi)
-    lo_v = simd.vsplat(s, shift_lo)
-    flush_v = simd.vsplat(s, P_FLUSH_BELOW)
+    shift_v = simd.vsplat(s, shift)
+    flush_v = simd.vsplat(s, P_FLUSH_BELOW_E)
     zero = simd.vsplat(s, 0.0)
     for j in range(off, off + n, lanes):
-        x = simd.vsub(simd.vsub(simd.vload(s, j), hi_v), lo_v)
-        simd.vstore(s, j, simd.vwhere_lt(x, flush_v, zero, simd.vexp2(x)))
+        x = simd.vsub(simd.vload(s, j), shift_v)
+        simd.vstore(s, j, simd.vwhere_lt(x, flush_v, zero, simd.vexp(x)))
 
 
 @helper
@@ -348,12 +348,15 @@ def row_max(s, off, n, portable):
 
 
 @helper
-def exp2_shifted_sum(s, off, n, shift, portable):
-    """``s[j] = 2**(s[j] - shift)`` in place over ``s[off:off+n]``; returns the sum."""
+def exp_shifted_sum(s, off, n, shift, natural, portable):
+    """``s[j] = e**(s[j] - shift)`` (``natural``) or ``2**(s[j] - shift)`` in place over
+    ``s[off:off+n]``; returns the sum. The difference first: exact where ``s`` is near
+    ``shift`` (the probabilities that matter), and 1 exactly at a row's maximum."""
     if portable:
         total = 0.0
         for j in range(n):
-            p = np.exp2(s[off + j] - shift)
+            x = s[off + j] - shift
+            p = np.exp(x) if natural else np.exp2(x)
             s[off + j] = p
             total += p
         return total
@@ -361,31 +364,38 @@ def exp2_shifted_sum(s, off, n, shift, portable):
     shift_v = simd.vsplat(s, shift)
     total_v = simd.vsplat(s, 0.0)
     for j in range(0, n, lanes):
-        p = simd.vexp2(simd.vsub(simd.vload(s, off + j), shift_v))
+        x = simd.vsub(simd.vload(s, off + j), shift_v)
+        p = simd.vexp(x) if natural else simd.vexp2(x)
         simd.vstore(s, off + j, p)
         total_v = simd.vadd(total_v, p)
     return simd.vhsum(total_v)
 
 
 @helper
-def exp2_inplace(x, off, n, portable):
-    """``x[off:off+n] = 2**x[off:off+n]``, for any ``n`` (whole vectors, then scalars)."""
+def exp_inplace(x, off, n, natural, portable):
+    """``x[off:off+n] = e**x`` (``natural``) or ``2**x``, for any ``n`` (whole vectors, then
+    scalars)."""
     n_vec = 0 if portable else n // simd.lanes_of(x) * simd.lanes_of(x)
     for j in range(0, n_vec, simd.lanes_of(x)):
-        simd.vstore(x, off + j, simd.vexp2(simd.vload(x, off + j)))
+        v = simd.vload(x, off + j)
+        simd.vstore(x, off + j, simd.vexp(v) if natural else simd.vexp2(v))
     for j in range(n_vec, n):
-        x[off + j] = np.exp2(x[off + j])
+        x[off + j] = np.exp(x[off + j]) if natural else np.exp2(x[off + j])
 
 
 @helper
-def online_softmax(s, off, ld, n, rows, m_i, l_i, alpha_i, tile_max, max_given, portable):
-    """One key tile of online softmax, in base 2, for ``rows`` rows of ``n`` scores, rows
-    ``ld`` apart in ``s`` from ``s[off]``. ``max_given``: ``tile_max[r]`` already holds each
+def online_softmax(s, off, ld, n, rows, m_i, l_i, alpha_i, tile_max, max_given, natural,
+                   portable):
+    """One key tile of online softmax for ``rows`` rows of ``n`` scores, rows ``ld`` apart in
+    ``s`` from ``s[off]``; ``natural``: the scores are in natural units (else base 2: the
+    decode kernel folds ``log2(e)`` into Q). ``max_given``: ``tile_max[r]`` already holds each
     row's maximum (found by the pass that masked the tile); else the rows are read for it here.
 
-    In place: ``s`` becomes ``P = 2^(s - m_new)``; ``m_i`` the new running max; ``l_i`` this
-    tile's row sums ``rowsum(P)``; ``alpha_i = 2^(m_old - m_new)``, the factor by which the
-    caller must rescale what it accumulated from earlier tiles (``l`` and ``acc``).
+    In place: ``s`` becomes ``P = e^(s - m_new)`` (or ``2^(s - m_new)``), exactly 1 at the row's
+    maximum; ``m_i`` the new running max; ``l_i`` this tile's row sums ``rowsum(P)``;
+    ``alpha_i = e^(m_old - m_new)``, the factor by which the caller must rescale what it
+    accumulated from earlier tiles (``l`` and ``acc``). So a one-hot row's output is its value
+    row exactly, and its lse, ``m + ln(l)``, its largest score.
 
     All row maxima first, then all exponentials: a row's exp pass waits on its max reduction,
     and two separate loops let the CPU overlap the rows instead (measured: -30 % per tile).
@@ -395,14 +405,14 @@ def online_softmax(s, off, ld, n, rows, m_i, l_i, alpha_i, tile_max, max_given, 
         t_max = tile_max[r] if max_given else row_max(s, off + r * ld, n, portable)
         m_new = max(m_old, t_max)
         # A row that has seen only masked keys keeps m = -inf; shift by 0 then, so that
-        # 2^(-inf - shift) is 0 and never 2^(-inf - (-inf)) = NaN.
+        # e^(-inf - shift) is 0 and never e^(-inf - (-inf)) = NaN.
         shift = m_new if m_new > -np.inf else 0.0
-        alpha_i[r] = m_old - shift  # an exponent <= 0 until the exp2 below
+        alpha_i[r] = m_old - shift  # an exponent <= 0 until the exp below
         l_i[r] = shift              # parked here until the exponentials
         m_i[r] = m_new
     for r in range(rows):
-        l_i[r] = exp2_shifted_sum(s, off + r * ld, n, l_i[r], portable)
-    exp2_inplace(alpha_i, 0, rows, portable)  # all rows' rescale factors in a few vectors
+        l_i[r] = exp_shifted_sum(s, off + r * ld, n, l_i[r], natural, portable)
+    exp_inplace(alpha_i, 0, rows, natural, portable)  # all rows' rescale factors in a few vectors
 
 
 @helper
