@@ -155,3 +155,25 @@ def test_sequence_table_blocks_and_task_lookup():
     owners = [sq.find_task(table, 2, t) for t in range(n_tasks)]
     assert owners == [(0, 0, 0), (0, 1, 0), (2, 0, 0), (2, 0, 1), (2, 1, 0), (2, 1, 1)]
     assert [sq.owner(table, sq.TILE0, t) for t in range(n_tiles)] == [0, 1]
+
+
+@pytest.mark.parametrize("kwargs,exc,words", [
+    ({"return_lse": "yes"}, TypeError, "return_lse: expected True or False"),
+    ({"causal": 1}, TypeError, "causal: expected True or False"),
+    ({"scale": 0.0}, ValueError, "scale"),
+    ({"dropout_p": 0.5}, ValueError, "seed: required"),
+])
+def test_bad_options(kwargs, exc, words):
+    q, cu = packed([5, 7], 2, 4, 1)
+    with pytest.raises(exc, match=words):
+        cpuflash.attention_varlen(q, q, q, cu, cu, **kwargs)
+
+
+def test_bad_heads_and_head_dims():
+    q, cu = packed([5, 7], 3, 4, 1)
+    k, _ = packed([5, 7], 2, 4, 2)
+    with pytest.raises(ValueError, match="Hkv|heads"):
+        cpuflash.attention_varlen(q, k, k, cu, cu)  # 3 query heads over 2 key heads
+    k8, _ = packed([5, 7], 3, 8, 2)
+    with pytest.raises(ValueError, match="D|head dim"):
+        cpuflash.attention_varlen(q, k8, k8, cu, cu)
