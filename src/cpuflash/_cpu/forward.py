@@ -29,8 +29,6 @@ skipped, never computed); ``tile_needs_mask`` tells whether a visible tile cross
 and only then ``mask_tile`` sets scores to ``-inf`` element by element. Later masks (window,
 kv_lens, bool/float masks, ALiBi, softcap, dropout) slot into these three functions.
 """
-import math
-
 import numba
 import numpy as np
 from numba import prange
@@ -49,8 +47,6 @@ from .dropout import dropout_row
 from .scores import modify_row
 from .tiles import divide_row, online_softmax, row_max, tile_product_max, tile_product_rescale
 
-LN2 = math.log(2.0)
-LOG2_E = 1.0 / LN2
 PORTABLE = False  # True in ``forward_portable``: a compile-time constant (_jit.portable_twin)
 
 
