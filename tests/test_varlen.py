@@ -177,3 +177,12 @@ def test_bad_heads_and_head_dims():
     k8, _ = packed([5, 7], 3, 8, 2)
     with pytest.raises(ValueError, match="D|head dim"):
         cpuflash.attention_varlen(q, k8, k8, cu, cu)
+
+
+def test_dense_sequence_table_is_kept_per_shape_and_read_only():
+    from cpuflash._cpu import sequences as sq
+    table, n_tasks = sq.dense(2, 3, 130, 64, 1, 3)
+    assert sq.dense(2, 3, 130, 64, 1, 3)[0] is table and not table.flags.writeable
+    assert n_tasks == 2 * 3 * 3 and table[1, sq.TILE0] == 3 and table[1, sq.TASK0] == 9
+    assert [sq.find_task(table, 3, t) for t in (0, 8, 9, 17)] == [(0, 0, 0), (0, 2, 2),
+                                                                   (1, 0, 0), (1, 2, 2)]

@@ -47,11 +47,16 @@ def _packed(q, k, v):
     _checks.same_dtype(q=q, k=k, v=v)
 
 
+def _sequence_seed(seed, b):
+    """Sequence ``b``'s dropout seed (module docstring)."""
+    return (int(seed) * 1000003 + b) % 2**63
+
+
 def _per_sequence(b, alibi_slopes, seed, dropout_p):
     slopes = alibi_slopes
     if isinstance(alibi_slopes, np.ndarray) and alibi_slopes.ndim == 2:
         slopes = alibi_slopes[b]
-    seq_seed = None if seed is None or not dropout_p else (int(seed) * 1000003 + b) % 2**63
+    seq_seed = None if seed is None or not dropout_p else _sequence_seed(seed, b)
     return slopes, seq_seed
 
 
@@ -79,7 +84,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale
     left, right, _ = masks.band(causal, window, None, 1, 0)
     mods = masks.modifiers(softcap, alibi_slopes, n_seq, q.shape[1])
     drop_below, seed = masks.dropout(dropout_p, seed)
-    seeds = np.array([_per_sequence(b, None, seed, drop_below)[1] or 0 for b in range(n_seq)],
+    seeds = np.array([_sequence_seed(seed, b) if drop_below else 0 for b in range(n_seq)],
                      dtype=np.int64)
     compute = np.float64 if q.dtype == np.float64 else np.float32
     out, lse = run_varlen(*(x if x.dtype == compute else x.astype(compute) for x in (q, k, v)),

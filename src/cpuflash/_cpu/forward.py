@@ -219,7 +219,8 @@ def run_forward(q, k, v, scale, band, mods, user_mask, drop, portable, out=None,
     block_k = config.block_k(d, n_k)
     kt, vt = packed_kv(k, v, block_k, config.lanes(q.dtype), config.panel_width(q.dtype))
     block_q = config.block_q(n_q, d, n_b * n_hq, numba.get_num_threads())
-    seqs, _ = sequences.dense(n_b, n_hq, n_q, block_q, k.shape[1], kt.shape[1])
+    seqs, _ = sequences.dense(int(n_b), int(n_hq), int(n_q), int(block_q), int(k.shape[1]),
+                              int(kt.shape[1]))
     run_dynamic(forward_portable if portable else forward, q, kt.reshape(-1, kt.shape[2]),
                 vt.reshape(-1, vt.shape[2]), k.shape[1], block_q, scale, left, right,
                 seqs, kv_lens, mods[0], mods[1], *user_mask.kernel_args(),

@@ -14,6 +14,8 @@ per sentence. Each row says where a sequence's queries, outputs and packed K/V t
   the packed tile lists.
 * ``TASK0``: its first task; it owns tasks ``TASK0 .. TASK0 + Hq * N_QB`` (head-major).
 """
+import functools
+
 import numpy as np
 
 from ._jit import helper
@@ -29,9 +31,11 @@ def _with_tasks(table, n_hq):
     return table, int(tasks.sum())
 
 
+@functools.lru_cache(maxsize=64)
 def dense(n_b, n_hq, n_q, block_q, n_hkv, n_tiles):
     """``(table, tasks)`` for ``B`` sequences of ``n_q`` queries, K/V tiles as ``pack``'s
-    ``(B * Hkv, n_tiles, ...)``."""
+    ``(B * Hkv, n_tiles, ...)``; read-only, and kept per shape (building it took 15 us, a
+    tenth of a small call's 145 us at B=1, H=8, N=64)."""
     table = np.empty((n_b, COLUMNS), dtype=np.int64)
     table[:, Q_BATCH] = np.arange(n_b)
     table[:, Q_ROW0] = 0
@@ -40,7 +44,9 @@ def dense(n_b, n_hq, n_q, block_q, n_hkv, n_tiles):
     table[:, N_QB] = -(-n_q // block_q)
     table[:, TILE0] = np.arange(n_b) * (n_hkv * n_tiles)
     table[:, TILES] = n_tiles
-    return _with_tasks(table, n_hq)
+    table, n_tasks = _with_tasks(table, n_hq)
+    table.flags.writeable = False
+    return table, n_tasks
 
 
 def fitted_block(n_q, block_q, rows_quantum):
