@@ -69,13 +69,24 @@ def _micro_ahead_dispatch(mr):
     return helper(micro)
 
 
+# The products whose sums run over the head dim: the scores S = Q K^T (forward: "rowmax";
+# backward: "store") and dP = dO V^T ("store", "softmax_grad"). Their rounding moves every
+# probability (see simd.PARTIAL_TERMS); the products over keys or query rows (P V, dQ, dK, dV)
+# sum over a tile of terms bounded by 1 in size and keep one sum, which costs less.
+HEAD_DIM_EPILOGUES = ("rowmax", "store", "softmax_grad")
+
+
 def _micro_epilogue_dispatch(epilogue, whole_panels, mr=MR):
     """``micro(c, ..., k, nv, e, e_off, f, f_off)``: ``mr`` rows as ``_micro_dispatch``'s in
     set mode, with one of ``simd.EPILOGUES``. ``whole_panels``: only ``nv = MAX_VECS`` is ever
     asked for (a product over whole key tiles), so only that shape is built: each shape is
-    compiled into every kernel that calls the dispatch, and compile time grows with them."""
+    compiled into every kernel that calls the dispatch, and compile time grows with them.
+    Products over the head dim (``HEAD_DIM_EPILOGUES``) sum in partial sums
+    (``simd.PARTIAL_TERMS``)."""
+    terms = simd.PARTIAL_TERMS if epilogue in HEAD_DIM_EPILOGUES else 0
     if whole_panels:
-        g = simd._make_gemm(mr, MAX_VECS, accumulate=False, epilogue=epilogue)
+        g = simd._make_gemm(mr, MAX_VECS, accumulate=False, epilogue=epilogue,
+                            partial_terms=terms)
 
         def micro_whole(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k, nv, e, e_off, f,
                         f_off):
@@ -83,8 +94,8 @@ def _micro_epilogue_dispatch(epilogue, whole_panels, mr=MR):
 
         micro_whole.__name__ = micro_whole.__qualname__ = f"_micro_{epilogue}_whole_{mr}rows"
         return helper(micro_whole)
-    g1, g2, g3, g4 = [simd._make_gemm(mr, nv, accumulate=False, epilogue=epilogue)
-                      for nv in range(1, 5)]
+    g1, g2, g3, g4 = [simd._make_gemm(mr, nv, accumulate=False, epilogue=epilogue,
+                                      partial_terms=terms) for nv in range(1, 5)]
 
     def micro(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k, nv, e, e_off, f, f_off):
         if nv == 4:
