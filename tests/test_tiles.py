@@ -62,6 +62,19 @@ def _store(c, ld, a, a_rs, a_ks, b, b_ld, b_panel, rows, cols, k, portable):
 
 
 @numba.njit
+def _in_partial_sums(c, ldc, a, a_rs, a_ks, b, b_ld, rows, cols, k):
+    """``C += A @ B`` as the products in partial sums form it: each part of PARTIAL_TERMS
+    terms a one-sum product of its own, added to C in order (B row-major)."""
+    part = np.zeros(rows * ldc, dtype=c.dtype)
+    for k0 in range(0, k, simd.PARTIAL_TERMS):
+        n = min(simd.PARTIAL_TERMS, k - k0)
+        tile_product(part, 0, ldc, a, k0 * a_ks, a_rs, a_ks, b, k0 * b_ld, b_ld, 1, rows, cols,
+                     n, False, False)
+        for i in range(rows * ldc):
+            c[i] += part[i]
+
+
+@numba.njit
 def _max_two_steps(a, b, rows, cols, k, ld):
     c = np.zeros(rows * ld, dtype=a.dtype)
     _store(c, ld, a, k, 1, b, 0, k, rows, cols, k, False)
@@ -161,10 +174,10 @@ def _panels_product(a, b, rows, cols, b_rows, k, lda, lanes):
 def _backward_two_steps(kind, c, e, f, a, b, rows, cols, k, ldc, portable):
     """A read transposed (``a_rs = 1``, as dS^T and P^T are), B row-major: the backward's form."""
     x = np.zeros(rows * ldc, dtype=a.dtype)
-    if kind == 2:  # dP: a product over the head dim, in partial sums
-        _store(x, ldc, a, 1, rows, b, cols, 1, rows, cols, k, portable)
-    else:
+    if kind == 1 or portable:  # dK, dV: one sum (as every portable product)
         tile_product(x, 0, ldc, a, 0, 1, rows, b, 0, cols, 1, rows, cols, k, False, portable)
+    else:  # dQ (add) and dP (softmax_grad): in partial sums
+        _in_partial_sums(x, ldc, a, 1, rows, b, cols, rows, cols, k)
     if kind == 0:
         add_into(c, 0, x, rows * ldc, portable)
     elif kind == 1:
