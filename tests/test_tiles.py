@@ -249,24 +249,20 @@ def test_backward_epilogues_equal_their_passes(portable, kind, rows, cols, k):
 @pytest.mark.parametrize("k", [1, 31, 32, 33, 64, 100, 128])
 def test_head_dim_products_sum_in_partial_sums(k):
     """S = Q K^T and dP = dO V^T sum over the head dim in partial sums of PARTIAL_TERMS terms,
-    added in order: bit for bit the float32 sum of the one-sum products of each part."""
-    terms = simd.PARTIAL_TERMS
+    added in order: bit for bit the float32 sum of the one-sum products of each part (and not
+    one running sum's bits, once there are two parts)."""
     rows, cols = 2 * MR + 1, 2 * PANEL
     rng = np.random.default_rng(k)
-    a = rng.standard_normal((rows, k)).astype(np.float32)
-    b = rng.standard_normal((k, cols)).astype(np.float32)
+    a = rng.standard_normal(rows * k).astype(np.float32)
+    b = rng.standard_normal(k * cols).astype(np.float32)
     got = np.zeros(rows * cols, dtype=np.float32)
-    _store(got, cols, a.ravel(), k, 1, b.ravel(), cols, 1, rows, cols, k, False)
-    want = np.zeros((rows, cols), dtype=np.float32)
-    for k0 in range(0, k, terms):
-        part = np.zeros(rows * cols, dtype=np.float32)
-        a_part = np.ascontiguousarray(a[:, k0:k0 + terms])
-        b_part = np.ascontiguousarray(b[k0:k0 + terms])
-        n = a_part.shape[1]
-        tile_product(part, 0, cols, a_part.ravel(), 0, n, 1, b_part.ravel(), 0, cols, 1, rows,
-                     cols, n, False, False)
-        want += part.reshape(rows, cols)
-    assert np.array_equal(got.reshape(rows, cols), want)
+    _store(got, cols, a, k, 1, b, cols, 1, rows, cols, k, False)
+    want = np.zeros(rows * cols, dtype=np.float32)
+    _in_partial_sums(want, cols, a, k, 1, b, cols, rows, cols, k)
+    assert np.array_equal(got, want)
+    one = np.zeros(rows * cols, dtype=np.float32)
+    tile_product(one, 0, cols, a, 0, k, 1, b, 0, cols, 1, rows, cols, k, False, False)
+    assert np.array_equal(got, one) == (k <= simd.PARTIAL_TERMS)
 
 
 def test_partial_sums_are_closer_to_the_exact_product():
