@@ -1,9 +1,13 @@
 """``pack_tiles``: each combination of the copies asked for (None for one not wanted) is its
-own specialization, and each copy holds the same bytes whichever others come with it."""
+own specialization, and each copy holds the same bytes whichever others come with it. The
+buffers the products read start on a cache line."""
+import numba
 import numpy as np
 import pytest
 
-from cpuflash import config
+import cpuflash
+from cpuflash import config, reference
+from cpuflash._cpu import pack
 from cpuflash._cpu.pack import pack_tiles
 from conftest import rands
 
@@ -26,3 +30,49 @@ def test_each_copy_alone_equals_it_among_all(n_k):
         for i in wanted:
             np.testing.assert_array_equal(alone[i], every[i], err_msg=f"copy {i} of {wanted}")
     assert np.isnan(every[0]).any() and not np.isnan(every[2]).any()
+
+
+def _off_line(shape, dtype=np.float32, off_bytes=16):
+    """A C-contiguous array starting ``off_bytes`` past a cache line (numpy gives 16 bytes)."""
+    n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    raw = np.empty(n + 2 * pack.ALIGN_BYTES, np.uint8)
+    start = -raw.ctypes.data % pack.ALIGN_BYTES + off_bytes
+    return raw[start:start + n].view(dtype).reshape(shape)
+
+
+@pytest.mark.parametrize("n", [1, 100, 5000, 300_000, 9_000_000])
+def test_buffers_start_on_a_cache_line(n):
+    """The products' B operands (packed K/V, the workspaces) and the kernels' scratch start on
+    a cache line: a vector load off it spans two lines (ALIGN_BYTES)."""
+    x = pack.empty((n,), np.float32)
+    assert pack.aligned(x) and x.flags.c_contiguous and x.flags.writeable and x.shape == (n,)
+    w = pack.workspace("test_aligned", (3, n), np.float32)
+    assert pack.aligned(w) and w.shape == (3, n)
+    assert _scratch_offsets(n) == 0
+
+
+@numba.njit
+def _scratch_offsets(n):
+    worst = 0
+    like = np.empty(1, np.float32)
+    for extra in range(16):  # allocations of every size around n
+        worst = max(worst, pack.scratch(n + extra, like).ctypes.data % pack.ALIGN_BYTES)
+    return worst
+
+
+@pytest.mark.parametrize("off_bytes", [0, 16])
+def test_values_off_a_cache_line_are_packed_not_read_in_place(off_bytes):
+    """V whose rows have the packed layout is read in place only from a cache line; off it, a
+    copy is read, and the output is the same bits either way."""
+    d, block_k = config.panel_width(np.dtype(np.float32)), 64
+    rng = np.random.default_rng(0)
+    v = _off_line((1, 2, 2 * block_k, d), off_bytes=off_bytes)
+    v[...] = rng.standard_normal(v.shape)
+    vn = pack.packed_rows(v, block_k, config.lanes(np.dtype(np.float32)), d, "test_values")
+    assert pack.aligned(vn)
+    assert np.shares_memory(vn, v) == (off_bytes == 0)
+    q = rng.standard_normal((1, 2, 40, d)).astype(np.float32)
+    k = rng.standard_normal(v.shape).astype(np.float32)
+    got = cpuflash.attention(q, k, v)
+    assert np.array_equal(got, cpuflash.attention(q, k, np.ascontiguousarray(v).copy()))
+    np.testing.assert_allclose(got, reference.attention(q, k, v), atol=2e-6)

@@ -30,8 +30,8 @@ from .masking import (HIDDEN, MIXED, apply_user_mask, mask_tile, tile_key_range,
                       tile_needs_mask)
 from .dropout import dropout_row
 from .scores import modify_row, tanh_grad_row
-from .pack import (pack_tiles, packed_rows, packed_transposed, reusable,
-                   workspace)
+from .pack import (aligned, pack_tiles, packed_rows, packed_transposed, reusable,
+                   scratch, workspace)
 from .tiles import (exp_shifted, softmax_grad_row, tile_product_add, tile_product_kahan,
                     tile_product_softmax_grad, tile_product_store)
 
@@ -84,21 +84,23 @@ def backward(qp, dout, lse_p, delta, kt, vtt, kn, block_q, d_pad, dv_pad,
         part_rows = group * rows_padded * d_pad  # this task's dQ partial: its heads' rows
         part0 = ((chunk * n_b + b) * n_hq + hk * group) * rows_padded * d_pad
         dq_flat[part0:part0 + part_rows] = 0.0
-        do_s = np.zeros(block_q * dv_pad, dtype=dk.dtype)  # dO block, when copied
-        s = np.empty(block_q * ld_s, dtype=dk.dtype)       # S, then P
-        ds = np.empty(block_q * ld_s, dtype=dk.dtype)      # dP, then dS
-        t_cap = np.zeros(block_q * ld_s if softcap != 0.0 else 0, dtype=dk.dtype)  # tanh
-        dk_acc = np.empty(block_k * d_pad, dtype=dk.dtype)
-        dv_acc = np.empty(block_k * dv_pad, dtype=dk.dtype)
-        dk_comp = np.empty(block_k * d_pad, dtype=dk.dtype)  # Kahan compensation terms
-        dv_comp = np.empty(block_k * dv_pad, dtype=dk.dtype)
+        do_s = scratch(block_q * dv_pad, dk)  # dO block, when copied
+        do_s[:] = 0.0
+        s = scratch(block_q * ld_s, dk)  # S, then P
+        ds = scratch(block_q * ld_s, dk)  # dP, then dS
+        t_cap = scratch(block_q * ld_s if softcap != 0.0 else 0, dk)  # tanh
+        t_cap[:] = 0.0
+        dk_acc = scratch(block_k * d_pad, dk)
+        dv_acc = scratch(block_k * dv_pad, dk)
+        dk_comp = scratch(block_k * d_pad, dk)  # Kahan compensation terms
+        dv_comp = scratch(block_k * dv_pad, dk)
         # The portable kernels form each product here before adding it (the SIMD ones finish
         # each product in registers: see tiles._product_with_epilogue).
         n_part = 1 if PORTABLE else 0
-        dk_part = np.empty(n_part * block_k * d_pad, dtype=dk.dtype)
-        dv_part = np.empty(n_part * block_k * dv_pad, dtype=dk.dtype)
-        dq_tile = np.empty(n_part * block_q * d_pad, dtype=dk.dtype)
-        dp_tile = np.empty(n_part * block_q * block_k, dtype=dk.dtype)  # S, dP
+        dk_part = scratch(n_part * block_k * d_pad, dk)
+        dv_part = scratch(n_part * block_k * dv_pad, dk)
+        dq_tile = scratch(n_part * block_q * d_pad, dk)
+        dp_tile = scratch(n_part * block_q * block_k, dk)  # S, dP
         lse_r = np.empty(block_q, dtype=dk.dtype)
         delta_r = np.empty(block_q, dtype=dk.dtype)
         max_unused = np.empty(block_q, dtype=dk.dtype)  # row maxima of the masking pass
@@ -352,7 +354,11 @@ def run_backward(dout, q, k, v, out, lse, scale, band, mods, user_mask, drop, po
     lse_p = np.empty(lse.shape, dtype=dtype)
     delta = np.empty(lse.shape, dtype=dtype)
     row_terms(dout, out, lse, q, scale, lse_p, delta, qp)
-    dout = np.ascontiguousarray(dout)  # the kernel reads it flat (do_flat)
+    if not (dout.flags.c_contiguous and aligned(dout)):
+        # the kernel reads it flat (do_flat), and as the B rows of dV = P^T dO: on a cache line
+        buf = workspace("dout", dout.shape, dtype)
+        np.copyto(buf, dout)
+        dout = buf
     run_dynamic(backward_portable if portable else backward, qp, dout, lse_p, delta, kt,
                 vtt, kn, block_q, d_pad, dv_pad, left, right, kv_lens, mods[0], mods[1],
                 *user_mask.kernel_args(), user_mask.tile_states(block_q, block_k), drop[0],

@@ -31,6 +31,7 @@ from .tasks import unravel
 from .dropout import dropout_row
 from .masking import apply_user_mask, row_band
 from .scores import modify_row
+from .pack import scratch
 from .tiles import online_softmax, rescale_add, tile_product, tile_product_ahead
 
 LN2 = math.log(2.0)
@@ -271,19 +272,20 @@ def decode(q, kf, k_strides, k_storage, prefetch, vf, v_strides, k_scale, ks_str
     no_t = np.empty(0, dtype=acc_part.dtype)
     for task in prange(n_b * n_hkv * n_splits):
         b, hk, split = unravel(task, n_hkv, n_splits)
-        q_s = np.empty(rows * d, dtype=acc_part.dtype)  # rows (h, i) of the group, scaled
+        q_s = scratch(rows * d, acc_part)  # rows (h, i) of the group, scaled
         for g in range(group):
             for i in range(n_q):
                 for dd in range(d):
                     q_s[(g * n_q + i) * d + dd] = q[b, hk * group + g, i, dd] * scale2
-        s = np.empty(rows * ld_s, dtype=acc_part.dtype)  # a sweep's scores, rows ld_s apart
+        s = scratch(rows * ld_s, acc_part)  # a sweep's scores, rows ld_s apart
         m_i = np.full(rows, -np.inf, dtype=acc_part.dtype)
         l_i = np.zeros(rows, dtype=acc_part.dtype)
         l_tile = np.empty(rows, dtype=acc_part.dtype)
         alpha_i = np.empty(rows, dtype=acc_part.dtype)
-        acc = np.zeros(rows * ld, dtype=acc_part.dtype)
-        pv = np.empty(rows * ld, dtype=acc_part.dtype)
-        k_buf = np.empty(lanes * d if stage_k else 0, dtype=acc_part.dtype)
+        acc = scratch(rows * ld, acc_part)
+        acc[:] = 0.0
+        pv = scratch(rows * ld, acc_part)
+        k_buf = scratch(lanes * d if stage_k else 0, acc_part)
         first_r = np.empty(rows, dtype=np.int64)  # each row's band of visible keys
         last_r = np.empty(rows, dtype=np.int64)
         kv_len = kv_lens[b]

@@ -40,7 +40,7 @@ from .sequences import BLOCK_Q, N_Q, N_QB, Q_BATCH, Q_ROW0, TASK0, TILE0, TILES,
 from .tasks import run_dynamic
 from .decode import run_decode
 from ..masks import UserMask
-from .pack import empty, packed_kv, packed_varlen
+from .pack import empty, packed_kv, packed_varlen, scratch
 from .masking import (HIDDEN, MIXED, apply_user_mask, mask_tile, tile_key_range,
                       tile_needs_mask)
 from .dropout import dropout_row
@@ -109,16 +109,18 @@ def forward(q, kt, vt, n_hkv, block_q, scale, left, right, seqs, kv_lens, softca
         q0 = qb * bq
         rows = min(bq, n_q - q0)
         out_row0 = q_b * out_layout[0] + h * out_layout[1] + (row0 + q0) * out_layout[2]
-        q_s = np.zeros(block_q * d, dtype=out_flat.dtype)   # Q block, scaled
-        s = np.empty(block_q * ld_s, dtype=out_flat.dtype)  # scores, then probabilities
-        acc = np.zeros(block_q * dv_pad, dtype=out_flat.dtype)
+        q_s = scratch(block_q * d, out_flat)   # Q block, scaled
+        q_s[:] = 0.0
+        s = scratch(block_q * ld_s, out_flat)  # scores, then probabilities
+        acc = scratch(block_q * dv_pad, out_flat)
+        acc[:] = 0.0
         m_i = np.full(block_q, -np.inf, dtype=out_flat.dtype)
         l_i = np.zeros(block_q, dtype=np.float64)  # see the sum over tiles below
         l_tile_sums = np.empty(block_q, dtype=out_flat.dtype)
         alpha_i = np.empty(block_q, dtype=out_flat.dtype)
         tile_max = np.empty(block_q, dtype=out_flat.dtype)  # row maxima of a score tile
         pv = np.empty(block_q * dv_pad if PORTABLE else 0, dtype=out_flat.dtype)  # portable
-        row_vmax = np.empty(block_q * simd.lanes_of(out_flat), dtype=out_flat.dtype)
+        row_vmax = scratch(block_q * simd.lanes_of(out_flat), out_flat)
         for r in range(rows):
             for dd in range(d):
                 q_s[r * d + dd] = q[q_b, h, row0 + q0 + r, dd] * scale  # as backward.row_terms

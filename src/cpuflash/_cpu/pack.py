@@ -231,15 +231,43 @@ def pack_values(v, block_k, dv_pad, w, zero_nonfinite, vt):
 PLAIN_PAGES_FROM_BYTES = 32 << 20
 
 
+# Where the tile products' B operands start (packed K and V): a whole cache line. numpy gives
+# 16 bytes (large arrays come from mmap with malloc's 16-byte header: 16 mod 64), and then
+# every 64-byte vector load of a B row spans two lines. Measured on stop 31's Xeon, the 4 x 64
+# micro-kernel at k = 64 on one core: 192 GFLOP/s with B at 0 mod 64, 166-167 at 16 or 32.
+ALIGN_BYTES = 64
+
+
+def aligned(x):
+    """Whether ``x`` starts on a cache line (``ALIGN_BYTES``)."""
+    return x.ctypes.data % ALIGN_BYTES == 0
+
+
+@helper
+def scratch(n, like):
+    """A kernel's scratch: ``n`` uninitialized elements of ``like``'s dtype starting on a cache
+    line (``ALIGN_BYTES``; Numba's ``np.empty`` gives 32 bytes), for the tiles the products and
+    the softmax read and write a vector at a time."""
+    pad = ALIGN_BYTES // like.itemsize
+    raw = np.empty(n + pad, dtype=like.dtype)
+    start = (-raw.ctypes.data % ALIGN_BYTES) // like.itemsize
+    return raw[start:start + n]
+
+
 def empty(shape, dtype):
-    """``np.empty(shape, dtype)``; from ``PLAIN_PAGES_FROM_BYTES`` on, a C-contiguous,
-    writeable, page-aligned array over its own anonymous mapping (unmapped when the array
-    goes), which the kernel backs with plain pages."""
+    """``np.empty(shape, dtype)``, C-contiguous, writeable and starting on a cache line
+    (``ALIGN_BYTES``); from ``PLAIN_PAGES_FROM_BYTES`` on, page-aligned over its own anonymous
+    mapping (unmapped when the array goes), which the kernel backs with plain pages."""
     dtype = np.dtype(dtype)
     size = math.prod(shape) if isinstance(shape, tuple) else int(shape)  # not np.prod: 3 us
-    if size == 0 or size * dtype.itemsize < PLAIN_PAGES_FROM_BYTES:
+    if size == 0:
         return np.empty(shape, dtype=dtype)
-    mapping = mmap.mmap(-1, size * dtype.itemsize)
+    n_bytes = size * dtype.itemsize
+    if n_bytes < PLAIN_PAGES_FROM_BYTES:
+        raw = np.empty(n_bytes + ALIGN_BYTES, dtype=np.uint8)
+        start = -raw.ctypes.data % ALIGN_BYTES
+        return raw[start:start + n_bytes].view(dtype).reshape(shape)
+    mapping = mmap.mmap(-1, n_bytes)
     return np.frombuffer(mapping, dtype=dtype, count=size).reshape(shape)
 
 
@@ -324,10 +352,11 @@ def packed_rows(x, block_k, lanes, panel_width, name, zero_nonfinite=False, pack
     n_blocks = max(1, -(-n // block_k))
     d_pad = -(-d // lanes) * lanes
     if (not zero_nonfinite and d == d_pad <= panel_width and n > 0 and n % block_k == 0
-            and x.flags.c_contiguous and x.flags.writeable):
-        # Rows of whole vectors in one panel, no padding keys: the packed layout is the array's
-        # own (D=64 float32 on AVX-512, say), so it is read in place (measured at N=512, D=64:
-        # the copy was 3 % of the call).
+            and x.flags.c_contiguous and x.flags.writeable and aligned(x)):
+        # Rows of whole vectors in one panel, no padding keys, on a cache line: the packed
+        # layout is the array's own (D=64 float32 on AVX-512, say), so it is read in place
+        # (measured at N=512, D=64: the copy was 3 % of the call). An array off the line is
+        # copied: its rows would cost two lines per vector load (``ALIGN_BYTES``).
         return x.reshape(n_b * n_h, n_blocks, block_k * d)
     if not pack:
         return None
