@@ -30,8 +30,8 @@ from .masking import (HIDDEN, MIXED, apply_user_mask, mask_tile, tile_key_range,
                       tile_needs_mask)
 from .dropout import dropout_row
 from .scores import modify_row, tanh_grad_row
-from .pack import (aligned, pack_tiles, packed_rows, packed_transposed, reusable,
-                   scratch, workspace)
+from .pack import (pack_tiles, packed_rows, packed_transposed, reusable, scratch,
+                   workspace)
 from .tiles import (exp_shifted, softmax_grad_row, tile_product_add, tile_product_kahan,
                     tile_product_softmax_grad, tile_product_store)
 
@@ -70,6 +70,10 @@ def backward(qp, dout, lse_p, delta, kt, vtt, kn, block_q, d_pad, dv_pad,
     dq_flat = dq_part.reshape(-1)
     rows_padded = n_qb * block_q
     # Full dO blocks are read in place when rows are whole vectors; others are copied.
+    # Wherever dO starts: off a cache line (pack.ALIGN_BYTES) its rows, the B of dV = P^T dO,
+    # cost two lines a vector, but copying it costs more (stop 31, backward at N=2048: a
+    # copy of each block into do_s 75.6-83.4 ms, read in place 73.6-78.3 ms, one aligned copy
+    # of all of dO first 71.5-73.7 ms, but that is O(N) memory: 16 MiB at N=65536).
     direct = n_dv == dv_pad
     qp_flat, do_flat = qp.reshape(-1), dout.reshape(-1)
     rows_q = qp.shape[2]
@@ -354,11 +358,7 @@ def run_backward(dout, q, k, v, out, lse, scale, band, mods, user_mask, drop, po
     lse_p = np.empty(lse.shape, dtype=dtype)
     delta = np.empty(lse.shape, dtype=dtype)
     row_terms(dout, out, lse, q, scale, lse_p, delta, qp)
-    if not (dout.flags.c_contiguous and aligned(dout)):
-        # the kernel reads it flat (do_flat), and as the B rows of dV = P^T dO: on a cache line
-        buf = workspace("dout", dout.shape, dtype)
-        np.copyto(buf, dout)
-        dout = buf
+    dout = np.ascontiguousarray(dout)  # the kernel reads it flat (do_flat)
     run_dynamic(backward_portable if portable else backward, qp, dout, lse_p, delta, kt,
                 vtt, kn, block_q, d_pad, dv_pad, left, right, kv_lens, mods[0], mods[1],
                 *user_mask.kernel_args(), user_mask.tile_states(block_q, block_k), drop[0],
