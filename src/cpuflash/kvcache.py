@@ -19,6 +19,7 @@ int8 is symmetric, one scale per token and head (``quantize_int8``): ``x ~= x8 *
 import numpy as np
 
 from . import _checks
+from ._cpu.pack import on_line
 from .api import attention as _attention
 
 STORAGE_DTYPES = (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16),
@@ -53,18 +54,6 @@ def quantize_int8(x, *, name="x"):
 # in L2 (``bench/cpu_decode_steps.py``, four runs): the scores of a sweep summed all 64 dims in
 # one pass 16-25 -> 8-12 ns per key; 8 dims a pass (DIM_GROUP) 20-31 -> 16-24, in the noise.
 K_ROW_PAD_BYTES = 64
-
-
-def _zeros_aligned(shape, dtype, align=64):
-    """``np.zeros(shape, dtype)`` starting on an ``align``-byte boundary. A large numpy array
-    comes from malloc's mmap, 16 bytes past a page start, so every AVX-512 load of a K/V row
-    would straddle two cache lines (measured: the chunk loop of a float32 decode step about
-    5 % slower on one thread)."""
-    dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape)) * dtype.itemsize
-    raw = np.zeros(nbytes + align, np.uint8)
-    start = -raw.ctypes.data % align
-    return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
 def _count(name, x, minimum=1):
@@ -104,8 +93,11 @@ class KVCache:
         self.dtype = dtype
         self.max_len = max_len
         k_row = max_len + K_ROW_PAD_BYTES // dtype.itemsize  # K^T rows: see K_ROW_PAD_BYTES
-        self.k_t = _zeros_aligned((layers, batch, kv_heads, head_dim, k_row), dtype)
-        self.v = _zeros_aligned((layers, batch, kv_heads, max_len, v_head_dim), dtype)
+        # On a cache line (pack.on_line): a large numpy array starts 16 bytes past one, and
+        # every AVX-512 load of a K/V row would straddle two (measured: the chunk loop of a
+        # float32 decode step about 5 % slower on one thread).
+        self.k_t = on_line((layers, batch, kv_heads, head_dim, k_row), dtype, zeroed=True)
+        self.v = on_line((layers, batch, kv_heads, max_len, v_head_dim), dtype, zeroed=True)
         self.lengths = np.zeros(layers, dtype=np.int64)  # tokens held by each layer
         if dtype == np.int8:
             self.k_scale = np.zeros(self.v.shape[:-1], np.float32)

@@ -254,20 +254,26 @@ def scratch(n, like):
     return raw[start:start + n]
 
 
+def on_line(shape, dtype, zeroed=False):
+    """``np.empty`` (``zeroed``: ``np.zeros``) of ``shape`` and ``dtype``, C-contiguous and
+    writeable, from numpy's allocator but starting on a cache line (``ALIGN_BYTES``): a view
+    into a buffer one line longer."""
+    dtype = np.dtype(dtype)
+    n_bytes = (math.prod(shape) if isinstance(shape, tuple) else int(shape)) * dtype.itemsize
+    raw = (np.zeros if zeroed else np.empty)(n_bytes + ALIGN_BYTES, dtype=np.uint8)
+    start = -raw.ctypes.data % ALIGN_BYTES
+    return raw[start:start + n_bytes].view(dtype).reshape(shape)
+
+
 def empty(shape, dtype):
     """``np.empty(shape, dtype)``, C-contiguous, writeable and starting on a cache line
-    (``ALIGN_BYTES``); from ``PLAIN_PAGES_FROM_BYTES`` on, page-aligned over its own anonymous
+    (``on_line``); from ``PLAIN_PAGES_FROM_BYTES`` on, page-aligned over its own anonymous
     mapping (unmapped when the array goes), which the kernel backs with plain pages."""
     dtype = np.dtype(dtype)
     size = math.prod(shape) if isinstance(shape, tuple) else int(shape)  # not np.prod: 3 us
-    if size == 0:
-        return np.empty(shape, dtype=dtype)
-    n_bytes = size * dtype.itemsize
-    if n_bytes < PLAIN_PAGES_FROM_BYTES:
-        raw = np.empty(n_bytes + ALIGN_BYTES, dtype=np.uint8)
-        start = -raw.ctypes.data % ALIGN_BYTES
-        return raw[start:start + n_bytes].view(dtype).reshape(shape)
-    mapping = mmap.mmap(-1, n_bytes)
+    if size * dtype.itemsize < PLAIN_PAGES_FROM_BYTES:
+        return on_line(shape, dtype)
+    mapping = mmap.mmap(-1, size * dtype.itemsize)
     return np.frombuffer(mapping, dtype=dtype, count=size).reshape(shape)
 
 
