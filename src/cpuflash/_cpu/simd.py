@@ -380,6 +380,8 @@ def _exp2_ir(builder, x, natural=False):
     vty = x.type
     fty = vty.element
     bits = 32 if isinstance(fty, ir.FloatType) else 64
+    if vty.count * bits == 512:
+        return _exp2_ir_scalef(builder, x, bits, natural)
     mant, bias = (23, 127) if bits == 32 else (52, 1023)
     ity = ir.VectorType(ir.IntType(bits), vty.count)
 
@@ -411,6 +413,42 @@ def _exp2_ir(builder, x, natural=False):
         p = _fma(builder, p, f, splat(c))
     scale = builder.bitcast(builder.shl(builder.bitcast(t, ity), splat(mant, ity)), vty)
     return builder.fmul(p, scale)             # n = -bias: scale bits 0, i.e. exactly +0.0
+
+
+def _exp2_ir_scalef(builder, x, bits, natural):
+    """``_exp2_ir`` on AVX-512: n = round(y) by one ``vrndscale``, and 2^n * p by one
+    ``vscalef`` that takes n as a float (no integer bits to build). Lanes where y < -(bias - 1)
+    come out 0 through the instruction's zero mask (as above, below 2^-126 flushes; y = -inf
+    gives f = NaN there, masked away); a NaN y passes the mask and stays NaN."""
+    vty = x.type
+    bias = 127 if bits == 32 else 1023
+
+    def splat(c):
+        return ir.Constant(vty, [c] * vty.count)
+
+    if natural:
+        unit_hi = float(np.float32(LOG2_E)) if bits == 32 else LOG2_E
+        unit_lo = LOG2_E - unit_hi if bits == 32 else LOG2_E_LO
+        y = builder.fmul(x, splat(unit_hi))
+    else:
+        y = x
+    n = builder.call(_vector_intrinsic(builder, "llvm.roundeven", vty, 1), [y])
+    if natural:
+        f = _fma(builder, x, splat(unit_hi), builder.fsub(splat(0.0), n))
+        f = _fma(builder, x, splat(unit_lo), f)
+    else:
+        f = builder.fsub(y, n)
+    coeffs = exp2_coefficients(bits)
+    p = splat(coeffs[-1])
+    for c in coeffs[-2::-1]:
+        p = _fma(builder, p, f, splat(c))
+    keep = builder.fcmp_unordered(">=", y, splat(float(1 - bias)))  # true for NaN
+    mty = ir.IntType(vty.count)
+    mask = builder.bitcast(keep, mty)
+    name = f"llvm.x86.avx512.mask.scalef.{'ps' if bits == 32 else 'pd'}.512"
+    fnty = ir.FunctionType(vty, [vty, vty, vty, mty, ir.IntType(32)])
+    fn = cgutils.get_or_insert_function(builder.module, fnty, name)
+    return builder.call(fn, [p, n, splat(0.0), mask, ir.Constant(ir.IntType(32), 4)])
 
 
 @intrinsic

@@ -1,0 +1,60 @@
+"""The vector exponentials (``simd.vexp``, ``simd.vexp2``) against numpy's in float64.
+
+They run on every score of every kernel, with two code paths by the host's width (``vrndscale``
+and ``vscalef`` on AVX-512, the magic-number rounding and the exponent bits elsewhere; the
+narrower path also runs end to end in ``test_simd_shapes.py``). The contract: ``x <= 0``,
+relative error of a float32 ulp or two, ``e^0 = 1`` exactly (a one-hot row's P), ``e^-inf = 0``
+exactly (masked scores), results below ``2^-126`` flushed to 0, NaN kept.
+"""
+import numba
+import numpy as np
+import pytest
+
+from cpuflash._cpu import simd
+
+
+@numba.njit
+def exp_all(x, out, natural):
+    """``out = e**x`` (``natural``) or ``2**x`` by whole vectors."""
+    for j in range(0, x.size, simd.lanes_of(x)):
+        v = simd.vload(x, j)
+        simd.vstore(out, j, simd.vexp(v) if natural else simd.vexp2(v))
+
+
+def run(x, natural):
+    lanes = simd.lanes(numba.from_dtype(x.dtype))
+    padded = np.zeros(-(-x.size // lanes) * lanes, dtype=x.dtype)
+    padded[:x.size] = x
+    out = np.empty_like(padded)
+    exp_all(padded, out, natural)
+    return out[:x.size]
+
+
+@pytest.mark.parametrize("dtype, rtol", [(np.float32, 2.5e-7), (np.float64, 5e-16)])
+@pytest.mark.parametrize("natural", [True, False], ids=["e", "2"])
+def test_exponential_is_within_an_ulp_or_two(dtype, rtol, natural):
+    rng = np.random.default_rng(0)
+    lowest = -80.0 if natural else -120.0  # results stay normal floats
+    x = np.concatenate([rng.uniform(lowest, 0.0, 20000), -rng.exponential(2.0, 20000),
+                        np.arange(-40.0, 0.5, 0.5)]).astype(dtype)  # halves: rounding ties
+    got = run(x, natural)
+    x64 = x.astype(np.float64)
+    want = np.exp(x64) if natural else np.exp2(x64)
+    rel = np.abs(got.astype(np.float64) - want) / want
+    assert rel.max() <= rtol, (rel.max(), x[np.argmax(rel)])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("natural", [True, False], ids=["e", "2"])
+def test_exponential_edges(dtype, natural):
+    tiny = np.finfo(dtype).tiny  # 2^-126 / 2^-1022
+    log_tiny = np.log(tiny) if natural else np.log2(tiny)
+    x = np.array([0.0, -0.0, -np.inf, np.nan, log_tiny - 1.0, 2.0 * log_tiny, -1e30,
+                  np.finfo(dtype).min], dtype=dtype)
+    got = run(x, natural)
+    assert got[0] == 1.0 and got[1] == 1.0  # a row's own maximum: P = 1 exactly
+    assert got[2] == 0.0 and not np.signbit(got[2])  # masked: exactly +0
+    assert np.isnan(got[3])  # a NaN score shows in the output
+    assert np.all(got[4:] == 0.0)  # below the smallest normal float: flushed, never subnormal
+    near = np.array([log_tiny + 1.0], dtype=dtype)  # just above: a normal result
+    assert run(near, natural)[0] >= tiny
