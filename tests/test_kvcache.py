@@ -44,8 +44,8 @@ def test_decode_from_cache_against_reference(dtype, h_kv, n_splits, monkeypatch)
 
 
 def test_sweep_lengths():
-    """A transposed K is read a page of each row at a time: 1024 float32 keys, 2048 float16,
-    fewer where the scores of many rows would pass SWEEP_BYTES; int8 one chunk at a time."""
+    """A transposed K is read SWEEP_ROW_BYTES of each row at a time, fewer keys where the
+    scores of many rows would pass SWEEP_BYTES; int8 one chunk at a time."""
     assert decode.sweep_keys(4, 4, 4) == decode.SWEEP_ROW_BYTES // 4
     assert decode.sweep_keys(4, 4, 2) == decode.SWEEP_ROW_BYTES // 2
     assert decode.sweep_keys(4, 4, 1) == decode.CHUNK
@@ -57,15 +57,18 @@ def test_sweep_lengths():
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 @pytest.mark.parametrize("d", [64, 20])
 def test_decode_over_several_sweeps(dtype, d):
-    """Splits of several sweeps and a ragged last one (3 splits of 2944 keys: 2 sweeps of 1024
-    float32 keys and 896, or 2048 float16 and 896), the dims in groups of DIM_GROUP (and a
-    last group of 4 at D=20, with no whole vector past 16), bottom-right causal rows, a window
-    and a kv_len short of the array: against the reference on the cache's keys."""
+    """Splits of several sweeps and a ragged last one (3 splits of 2944 keys: sweeps of 2048
+    keys and 896, the 8 query rows' scores filling SWEEP_BYTES at 2048 keys), the dims in
+    groups of DIM_GROUP (and a last group of 4 at D=20, with no whole vector past 16),
+    bottom-right causal rows, a window and a kv_len short of the array: against the reference
+    on the cache's keys."""
     n_k = 2 * 4096 + 300
     assert decode.split_count(1, 8, n_k) == 3
+    n_q = 8
+    assert decode.sweep_keys(n_q, 4, np.dtype(dtype).itemsize) == 2048
     cache = cpuflash.KVCache(1, 1, 8, n_k + 40, d, dtype=dtype)
     cache.append(0, rand((1, 8, n_k, d), seed=2), rand((1, 8, n_k, d), seed=3))
-    q = rand((1, 8, 3, d), seed=1)
+    q = rand((1, 8, n_q, d), seed=1)
     kd, vd = dequantized(cache, 0)
     for opts in ({"causal": True}, {"window": (3000, 0)},
                  {"kv_lens": np.array([n_k - 1111]), "causal": True}):

@@ -59,8 +59,8 @@ TASKS = 16  # keeps up to 16 threads busy where the keys allow it
 MAX_SPLITS = 64  # caps the partial results at 64 * (B, Hq, Nq, Dv), whatever Nk
 MAX_NQ = 16            # attention() takes this path for Nq up to this
 # A transposed K (KVCache's layout: each of the D rows of a head holds its keys side by side)
-# is read a sweep of keys at a time: SWEEP_ROW_BYTES of each of its D rows (1024 float32 keys,
-# 2048 float16), DIM_GROUP rows per pass over the sweep's scores. The scores of one chunk in
+# is read a sweep of keys at a time: SWEEP_ROW_BYTES of each of its D rows (2048 float32 keys,
+# 4096 float16), DIM_GROUP rows per pass over the sweep's scores. The scores of one chunk in
 # one pass read all D rows at once, 512 bytes of each, and the hardware prefetcher, which
 # follows a few dozen streams, loses them. Measured, a plain read of K^T and V in the kernel's
 # order, 19 layers from DRAM, 2 threads (scratch/pattern.py in stop 20's note): 17 GB/s a chunk
@@ -70,7 +70,10 @@ MAX_NQ = 16            # attention() takes this path for Nq up to this
 # pass (its K rows prefetched, see AHEAD): in sweeps of 4096 keys, three runs each at Hkv=2,
 # Nk=32768, its steps took 0.73-1.08 ms against 0.65-1.03 hot, 1.27-1.35 against 0.90-1.49
 # from DRAM.
-SWEEP_ROW_BYTES = 4096
+# (Stop 32, Zen 4, Hkv=2 Nk=32768, float32 from DRAM: three batches of alternating processes,
+# 4, 4 and 5 rounds, medians 1.31 / 1.48 / 1.42 ms a step with 8192 bytes against 1.43 / 1.54
+# / 1.52 with 4096; hot, and float16, within the noise. The Xeon of stop 31: alike.)
+SWEEP_ROW_BYTES = 8192
 DIM_GROUP = 8
 SWEEP_BYTES = 64 << 10
 SERIAL_COMBINE = 1 << 18  # partial-output elements up to which the merge runs on one thread
