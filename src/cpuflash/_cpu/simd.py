@@ -386,8 +386,7 @@ def _exp2_ir(builder, x, natural=False):
     vty = x.type
     bits = 32 if isinstance(vty.element, ir.FloatType) else 64
     mant, bias = (23, 127) if bits == 32 else (52, 1023)
-    ity = ir.VectorType(ir.IntType(bits), vty.count)
-    scalef = vty.count * bits == 512
+    scalef = vty.count * bits == 512  # only an AVX-512 host has 512-bit vectors (config)
 
     def splat(c, ty=vty):
         return ir.Constant(ty, [c] * vty.count)
@@ -426,6 +425,7 @@ def _exp2_ir(builder, x, natural=False):
         fnty = ir.FunctionType(vty, [vty, vty, vty, keep.type, ir.IntType(32)])
         fn = cgutils.get_or_insert_function(builder.module, fnty, name)
         return builder.call(fn, [p, n, splat(0.0), keep, ir.Constant(ir.IntType(32), 4)])
+    ity = ir.VectorType(ir.IntType(bits), vty.count)
     scale = builder.bitcast(builder.shl(builder.bitcast(t, ity), splat(mant, ity)), vty)
     return builder.fmul(p, scale)             # n = -bias: scale bits 0, i.e. exactly +0.0
 
