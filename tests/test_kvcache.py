@@ -43,29 +43,17 @@ def test_decode_from_cache_against_reference(dtype, h_kv, n_splits, monkeypatch)
     np.testing.assert_allclose(lse, ref_lse, rtol=1e-6, atol=1e-6)
 
 
-def test_sweep_lengths():
-    """A transposed K is read SWEEP_ROW_BYTES of each row at a time, fewer keys where the
-    scores of many rows would pass SWEEP_BYTES; int8 one chunk at a time."""
-    assert decode.sweep_keys(4, 4, 4) == decode.SWEEP_ROW_BYTES // 4
-    assert decode.sweep_keys(4, 4, 2) == decode.SWEEP_ROW_BYTES // 2
-    assert decode.sweep_keys(4, 4, 1) == decode.CHUNK
-    many = decode.SWEEP_BYTES // (4 * 3 * decode.CHUNK)  # rows whose scores fit 3 chunks
-    assert decode.sweep_keys(many, 4, 4) == 3 * decode.CHUNK
-    assert decode.sweep_keys(10 ** 4, 4, 4) == decode.CHUNK
-
-
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 @pytest.mark.parametrize("d", [64, 20])
-def test_decode_over_several_sweeps(dtype, d):
-    """Splits of several sweeps and a ragged last one (3 splits of 2944 keys: sweeps of 2048
-    keys and 896, the 8 query rows' scores filling SWEEP_BYTES at 2048 keys), the dims in
-    groups of DIM_GROUP (and a last group of 4 at D=20, with no whole vector past 16),
-    bottom-right causal rows, a window and a kv_len short of the array: against the reference
-    on the cache's keys."""
+def test_decode_over_several_splits(dtype, d):
+    """A transposed K read a chunk at a time over splits of many chunks and a ragged last one
+    (3 splits of 2944 keys, the last 2604), the hints running past each split's end, D=20 with
+    a tail of 4 dims past the last whole vector, bottom-right causal rows, a window whose band
+    starts off a chunk and a kv_len short of the array: against the reference on the cache's
+    keys."""
     n_k = 2 * 4096 + 300
     assert decode.split_count(1, 8, n_k) == 3
     n_q = 8
-    assert decode.sweep_keys(n_q, 4, np.dtype(dtype).itemsize) == 2048
     cache = cpuflash.KVCache(1, 1, 8, n_k + 40, d, dtype=dtype)
     cache.append(0, rand((1, 8, n_k, d), seed=2), rand((1, 8, n_k, d), seed=3))
     q = rand((1, 8, n_q, d), seed=1)
@@ -152,15 +140,15 @@ def test_storage_starts_on_a_cache_line():
             assert x.ctypes.data % 64 == 0 and x.flags.c_contiguous and not x.any()
 
 
-@pytest.mark.parametrize("dtype", [np.float16, np.int8])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int8])
 def test_prefetch_hints_change_no_bit(dtype, monkeypatch):
-    """float16/int8 caches prefetch K/V ahead in the tile products: the same bits without."""
+    """The tile products hint K^T and V ahead into L2: the same bits without."""
     n_k = 5 * decode.CHUNK + 7  # the hints run past the last chunk and the array's end
     cache = cpuflash.KVCache(1, 1, 2, n_k, D, dtype=dtype)
     cache.append(0, rand((1, 2, n_k, D), seed=5), rand((1, 2, n_k, D), seed=6))
     q = rand((1, 8, 1, D), seed=7)
     hinted = cache.attention(0, q)
-    monkeypatch.setattr(decode, "PREFETCH_CACHES", False)
+    monkeypatch.setattr(decode, "PREFETCH", False)
     np.testing.assert_array_equal(cache.attention(0, q), hinted)
 
 

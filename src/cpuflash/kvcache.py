@@ -52,7 +52,8 @@ def quantize_int8(x, *, name="x"):
 # dozens of rows the score product reads at once: it evicts its own lines. One cache line more
 # per row spreads them over the sets. Measured on Zen 3, one thread, 4 query rows, 1024 keys
 # in L2 (``bench/cpu_decode_steps.py``, four runs): the scores of a sweep summed all 64 dims in
-# one pass 16-25 -> 8-12 ns per key; 8 dims a pass (DIM_GROUP) 20-31 -> 16-24, in the noise.
+# one pass 16-25 -> 8-12 ns per key (as the kernel sums them since stop 33); 8 dims a pass (the
+# sweeps of stops 20-32) 20-31 -> 16-24, in the noise.
 K_ROW_PAD_BYTES = 64
 
 

@@ -10,8 +10,9 @@ read once per call, straight from the caller's array (rows must be unit-stride):
         online softmax over the chunk        # as the tiled kernel, base 2
         acc[r] = alpha * acc[r] + sum_j p[r, j] * v_j
 
-With K transposed (KVCache's layout) the scores come a sweep of several chunks at a time,
-summed a few rows of K^T per pass (``sweep_scores``), and the chunks then run as above.
+With K transposed (KVCache's layout) a chunk's scores are one tile product over all D rows of
+K^T (``transposed_scores``). Both products hint the rows they will read ``AHEAD`` chunks later
+into L2, so that K/V stream in while the core computes on the current chunk.
 
 Each split leaves ``m``, ``l`` and an unnormalized ``acc``; ``combine_row`` merges the splits
 in split order (``out = sum_s acc_s 2^(m_s - M) / sum_s l_s 2^(m_s - M)``). The number of splits
@@ -40,12 +41,17 @@ LOG2_E = 1.0 / LN2
 # P @ V call) is paid once per chunk (measured at Nk = 32768: 16 keys 51 ns/key, 128 keys
 # 28 ns/key with the folded dot products). A multiple of every lane count.
 CHUNK = 128
-# Chunks ahead that a float16/int8 cache's K and V rows are prefetched, spread over the tile
-# products (measured at Nk = 32768, one thread: 13.3 ns per key with none, 11.7 with the next
-# chunk, 10-11 with the next-but-one or further). A float32 cache is bandwidth-bound: the hints
-# only add instructions there (17.6-18.0 ns per key without, 19-21 with), so it gets none.
+# Chunks ahead that K^T's and V's rows are hinted into L2, one line per line read, spread over
+# the tile products (simd.PREFETCH_LOCALITY). A step from DRAM is bound by the memory, and the
+# hardware prefetcher alone does not keep enough lines in flight while the core computes: the
+# 64 rows of K^T are 64 streams, more than it follows, and sweeps of several thousand keys 8
+# rows at a time (stops 20-32) read each stream longer but summed the scores in 8 passes
+# through memory (10 ns a key against 6 in one pass). Measured (stop 33, Zen 4, Hkv=2,
+# Nk=32768, float32, medians of 10 rounds interleaved in one process): from DRAM, sweeps
+# 1.74-2.03 ms a step against 1.51-1.68 hinted a chunk at a time; hot, 1.44 against 0.81. With
+# float16 and int8 caches (hinted into L1 before) ... 
 AHEAD = 2
-PREFETCH_CACHES = True  # the hints for float16/int8 caches (a switch for the tests)
+PREFETCH = True  # the hints (a switch for the tests: the same bits without)
 # How the key axis is split (``split_count``): into at least enough splits for ``TASKS``
 # tasks over (batch, kv head, split), but no split shorter than ``MIN_SPLIT_KEYS`` keys nor
 # longer than ``MAX_SPLIT_KEYS``. Every split pays fixed costs (its buffers, its Q, its partial
@@ -58,36 +64,7 @@ MAX_SPLIT_KEYS = 4096
 TASKS = 16  # keeps up to 16 threads busy where the keys allow it
 MAX_SPLITS = 64  # caps the partial results at 64 * (B, Hq, Nq, Dv), whatever Nk
 MAX_NQ = 16            # attention() takes this path for Nq up to this
-# A transposed K (KVCache's layout: each of the D rows of a head holds its keys side by side)
-# is read a sweep of keys at a time: SWEEP_ROW_BYTES of each of its D rows (2048 float32 keys,
-# 4096 float16), DIM_GROUP rows per pass over the sweep's scores. The scores of one chunk in
-# one pass read all D rows at once, 512 bytes of each, and the hardware prefetcher, which
-# follows a few dozen streams, loses them. Measured, a plain read of K^T and V in the kernel's
-# order, 19 layers from DRAM, 2 threads (scratch/pattern.py in stop 20's note): 17 GB/s a chunk
-# at a time, 27-30 GB/s in sweeps of 1024 keys 4-8 rows at a time, 24 GB/s for K stored as
-# rows. The sum over the dims keeps its order, so the scores are the same bits. A sweep's
-# scores take at most SWEEP_BYTES. An int8 K^T stays one chunk at a time, all D rows in one
-# pass (its K rows prefetched, see AHEAD): in sweeps of 4096 keys, three runs each at Hkv=2,
-# Nk=32768, its steps took 0.73-1.08 ms against 0.65-1.03 hot, 1.27-1.35 against 0.90-1.49
-# from DRAM.
-# (Stop 32, Zen 4, Hkv=2 Nk=32768, float32 from DRAM: three batches of alternating processes,
-# 4, 4 and 5 rounds, medians 1.31 / 1.48 / 1.42 ms a step with 8192 bytes against 1.43 / 1.54
-# / 1.52 with 4096; hot, and float16, within the noise. The Xeon of stop 31: alike.)
-SWEEP_ROW_BYTES = 8192
-DIM_GROUP = 8
-SWEEP_BYTES = 64 << 10
 SERIAL_COMBINE = 1 << 18  # partial-output elements up to which the merge runs on one thread
-
-
-@helper
-def sweep_keys(rows, itemsize, k_itemsize):
-    """Keys per sweep for ``rows`` query rows (scores of ``itemsize`` bytes) and keys stored in
-    ``k_itemsize`` bytes: whole chunks, ``SWEEP_ROW_BYTES`` of each row of K^T at most, scores
-    of ``SWEEP_BYTES`` at most, one chunk at least; one chunk for int8 keys."""
-    if k_itemsize < 2:
-        return CHUNK
-    fit = min(SWEEP_ROW_BYTES // k_itemsize, SWEEP_BYTES // (rows * itemsize))
-    return max(CHUNK, fit // CHUNK * CHUNK)
 
 
 def split_count(n_b, n_hkv, n_k):
@@ -186,23 +163,21 @@ def scale_scores(s, off, scales, sc_off, sc_step, n):
 
 
 @helper
-def sweep_scores(s, ld, q_s, rows, d, dim_group, kf, k_off, k_step, n_w, ahead):
-    """``s[r, j] = q_r . k_j`` for ``j < n_w`` (rows ``ld`` apart in ``s``) of a transposed K:
-    dim ``dd`` of key ``j`` at ``kf[k_off + j + dd*k_step]``. ``dim_group`` rows of K^T per
-    pass over the sweep (the sum over the dims in order, carried in ``s`` between passes),
-    keys past the last whole vector by scalar dot products. ``ahead`` > 0 with a single pass
-    (``dim_group >= d``, an int8 cache): each row of K^T read is also hinted that many keys
-    further on (see ``AHEAD``); sweeps need no hints."""
-    n_vec = n_w // simd.lanes_of(s) * simd.lanes_of(s)
-    if ahead > 0 and dim_group >= d:  # one pass: the hinted product
-        tile_product_ahead(s, 0, ld, q_s, 0, d, 1, kf, k_off, k_step, rows, n_vec, d, ahead)
+def transposed_scores(s, q_s, rows, d, kf, k_off, k_step, n_c, ahead):
+    """``s[r, jj] = q_r . k_jj`` for ``jj < n_c`` (rows ``CHUNK`` apart in ``s``) of a
+    transposed K: dim ``dd`` of key ``jj`` at ``kf[k_off + jj + dd*k_step]``. One tile product
+    over all ``d`` rows of K^T for the whole vectors of keys, each row it reads also hinted
+    ``ahead`` keys further on (none if 0: see ``AHEAD``); the keys past them by scalar dot
+    products."""
+    n_vec = n_c // simd.lanes_of(s) * simd.lanes_of(s)
+    if ahead > 0:
+        tile_product_ahead(s, 0, CHUNK, q_s, 0, d, 1, kf, k_off, k_step, rows, n_vec, d, ahead)
     else:
-        for g0 in range(0, d, dim_group):
-            tile_product(s, 0, ld, q_s, g0, d, 1, kf, k_off + g0 * k_step, k_step, 1, rows,
-                         n_vec, min(dim_group, d - g0), g0 > 0, False)
+        tile_product(s, 0, CHUNK, q_s, 0, d, 1, kf, k_off, k_step, 1, rows, n_vec, d, False,
+                     False)
     for r in range(rows):
-        for jj in range(n_vec, n_w):
-            s[r * ld + jj] = dot_strided(q_s, r * d, kf, k_off + jj, k_step, d)
+        for jj in range(n_vec, n_c):
+            s[r * CHUNK + jj] = dot_strided(q_s, r * d, kf, k_off + jj, k_step, d)
 
 
 @helper
@@ -243,7 +218,7 @@ def decode(q, kf, k_strides, k_storage, prefetch, vf, v_strides, k_scale, ks_str
     s3)``: ``s3 = 1`` (rows of K contiguous, scores by ``vdot_keys``) or ``s2 = 1`` (K
     transposed, keys contiguous, scores by the tile product); ``v_strides`` likewise with
     ``s3 = 1``. ``k_storage``: whether K is in a storage type (not the compute dtype).
-    ``prefetch``: whether the tile products hint K and V ``AHEAD`` chunks ahead.
+    ``prefetch``: whether the tile products hint K^T and V ``AHEAD`` chunks ahead.
     k_scale, v_scale: int8 dequantization scales, 1-D views with strides ``ks_strides``,
     ``vs_strides`` over (b, h, j) (``K = kf * k_scale``), or empty arrays when K/V are floats.
     left, right, kv_lens: the band of keys each row sees (masking.py); the splits divide the
@@ -269,8 +244,6 @@ def decode(q, kf, k_strides, k_storage, prefetch, vf, v_strides, k_scale, ks_str
     quantized = k_scale.size > 0
     keys_unit = k_strides[3] != 1  # K stored transposed: a key's D values k_strides[3] apart
     stage_k = rows > 1 and k_storage and not keys_unit  # convert float16/int8 keys once
-    ld_s = sweep_keys(rows, acc_part.itemsize, kf.itemsize) if keys_unit else CHUNK
-    dim_group = DIM_GROUP if ld_s > CHUNK else d  # one pass over a single chunk
     inv_keep = 2.0**32 / (2.0**32 - drop_below)  # 1 / (1 - p)
     no_t = np.empty(0, dtype=acc_part.dtype)
     for task in prange(n_b * n_hkv * n_splits):
@@ -280,7 +253,7 @@ def decode(q, kf, k_strides, k_storage, prefetch, vf, v_strides, k_scale, ks_str
             for i in range(n_q):
                 for dd in range(d):
                     q_s[(g * n_q + i) * d + dd] = q[b, hk * group + g, i, dd] * scale2
-        s = scratch(rows * ld_s, acc_part)  # a sweep's scores, rows ld_s apart
+        s = scratch(rows * CHUNK, acc_part)  # a chunk's scores
         m_i = np.full(rows, -np.inf, dtype=acc_part.dtype)
         l_i = np.zeros(rows, dtype=acc_part.dtype)
         l_tile = np.empty(rows, dtype=acc_part.dtype)
@@ -301,68 +274,65 @@ def decode(q, kf, k_strides, k_storage, prefetch, vf, v_strides, k_scale, ks_str
         v_head = b * v_strides[0] + hk * v_strides[1]
         ks_head = b * ks_strides[0] + hk * ks_strides[1]
         vs_head = b * vs_strides[0] + hk * vs_strides[1]
-        for w0 in range(j_start, j_stop, ld_s):  # one sweep of keys, then its chunks
-            n_w = min(ld_s, j_stop - w0)
+        for c0 in range(j_start, j_stop, CHUNK):
+            n_c = min(CHUNK, j_stop - c0)
             if keys_unit:
-                sweep_scores(s, ld_s, q_s, rows, d, dim_group, kf, k_head + w0, k_strides[3], n_w,
-                             AHEAD * CHUNK if prefetch else 0)
-            for c0 in range(w0, w0 + n_w, CHUNK):
-                n_c = min(CHUNK, w0 + n_w - c0)
-                sc = c0 - w0  # the chunk's first column in s
-                if not keys_unit:  # one chunk per sweep (ld_s = CHUNK, sc = 0)
-                    chunk_scores(s, q_s, rows, d, d_vec, kf, k_head + c0 * k_strides[2],
-                                 k_strides[2], n_c, k_buf)
-                for r in range(rows):
-                    row = r * ld_s + sc
-                    if quantized:
-                        scale_scores(s, row, k_scale, ks_head + c0 * ks_strides[2],
-                                     ks_strides[2], n_c)
-                    i = r % n_q
-                    h = hk * group + r // n_q
-                    if modify:
-                        modify_row(s, row, CHUNK, i + kv_len - n_q, c0, softcap2,
-                                   slopes2[b, h], no_t, False)
-                    if mask_given:
-                        # (its row max unused: l_tile is scratch)
-                        apply_user_mask(s, row, ld_s, 1, mask_bools, mask_adds, mask_is_bool, b,
-                                        h, i, c0, n_c, LOG2_E, l_tile)
-                    # Masked after the modifiers, as the tiled kernel; a chunk inside the row's
-                    # band (the common case) needs only its tail past n_c.
-                    if first_r[r] <= c0 and c0 + n_c - 1 <= last_r[r]:
-                        for jj in range(n_c, CHUNK):
-                            s[row + jj] = -np.inf
-                    else:
-                        for jj in range(CHUNK):
-                            if not (jj < n_c and first_r[r] <= c0 + jj <= last_r[r]):
-                                s[row + jj] = -np.inf
-                online_softmax(s, sc, ld_s, CHUNK, rows, m_i, l_tile, alpha_i, l_tile, False,
-                               False, False)  # scores in base 2
-                for r in range(rows):
-                    row = r * ld_s + sc
-                    l_i[r] = alpha_i[r] * l_i[r] + l_tile[r]
-                    if drop_below > 0:
-                        dropout_row(s, row, CHUNK, seed,
-                                    (b * n_hq + hk * group + r // n_q) * n_q + r % n_q, c0,
-                                    drop_below, inv_keep)
-                    if quantized:  # P @ (V_int8 * v_scale) as (P * v_scale) @ V_int8
-                        scale_scores(s, row, v_scale, vs_head + c0 * vs_strides[2],
-                                     vs_strides[2], n_c)
-                if tiled:
-                    v_off = v_head + c0 * v_strides[2]
-                    if prefetch:
-                        tile_product_ahead(pv, 0, ld, s, sc, ld_s, 1, vf, v_off, v_strides[2],
-                                           rows, dv, n_c, AHEAD * CHUNK * v_strides[2])
-                    else:
-                        tile_product(pv, 0, ld, s, sc, ld_s, 1, vf, v_off, v_strides[2], 1,
-                                     rows, dv, n_c, False, False)
-                    rescale_add(acc, pv, ld, rows, alpha_i, False)
+                transposed_scores(s, q_s, rows, d, kf, k_head + c0, k_strides[3], n_c,
+                                  AHEAD * CHUNK if prefetch else 0)
+            else:
+                chunk_scores(s, q_s, rows, d, d_vec, kf, k_head + c0 * k_strides[2],
+                             k_strides[2], n_c, k_buf)
+            for r in range(rows):
+                row = r * CHUNK
+                if quantized:
+                    scale_scores(s, row, k_scale, ks_head + c0 * ks_strides[2],
+                                 ks_strides[2], n_c)
+                i = r % n_q
+                h = hk * group + r // n_q
+                if modify:
+                    modify_row(s, row, CHUNK, i + kv_len - n_q, c0, softcap2,
+                               slopes2[b, h], no_t, False)
+                if mask_given:
+                    # (its row max unused: l_tile is scratch)
+                    apply_user_mask(s, row, CHUNK, 1, mask_bools, mask_adds, mask_is_bool, b,
+                                    h, i, c0, n_c, LOG2_E, l_tile)
+                # Masked after the modifiers, as the tiled kernel; a chunk inside the row's
+                # band (the common case) needs only its tail past n_c.
+                if first_r[r] <= c0 and c0 + n_c - 1 <= last_r[r]:
+                    for jj in range(n_c, CHUNK):
+                        s[row + jj] = -np.inf
                 else:
-                    for r in range(rows):
-                        for c in range(dv):
-                            acc[r * ld + c] *= alpha_i[r]
-                        for jj in range(n_c):
-                            axpy_row(acc, r * ld, s[r * ld_s + sc + jj], vf,
-                                     v_head + (c0 + jj) * v_strides[2], dv, dv_vec)
+                    for jj in range(CHUNK):
+                        if not (jj < n_c and first_r[r] <= c0 + jj <= last_r[r]):
+                            s[row + jj] = -np.inf
+            online_softmax(s, 0, CHUNK, CHUNK, rows, m_i, l_tile, alpha_i, l_tile, False,
+                           False, False)  # scores in base 2
+            for r in range(rows):
+                row = r * CHUNK
+                l_i[r] = alpha_i[r] * l_i[r] + l_tile[r]
+                if drop_below > 0:
+                    dropout_row(s, row, CHUNK, seed,
+                                (b * n_hq + hk * group + r // n_q) * n_q + r % n_q, c0,
+                                drop_below, inv_keep)
+                if quantized:  # P @ (V_int8 * v_scale) as (P * v_scale) @ V_int8
+                    scale_scores(s, row, v_scale, vs_head + c0 * vs_strides[2],
+                                 vs_strides[2], n_c)
+            if tiled:
+                v_off = v_head + c0 * v_strides[2]
+                if prefetch:
+                    tile_product_ahead(pv, 0, ld, s, 0, CHUNK, 1, vf, v_off, v_strides[2],
+                                       rows, dv, n_c, AHEAD * CHUNK * v_strides[2])
+                else:
+                    tile_product(pv, 0, ld, s, 0, CHUNK, 1, vf, v_off, v_strides[2], 1,
+                                 rows, dv, n_c, False, False)
+                rescale_add(acc, pv, ld, rows, alpha_i, False)
+            else:
+                for r in range(rows):
+                    for c in range(dv):
+                        acc[r * ld + c] *= alpha_i[r]
+                    for jj in range(n_c):
+                        axpy_row(acc, r * ld, s[r * CHUNK + jj], vf,
+                                 v_head + (c0 + jj) * v_strides[2], dv, dv_vec)
         for g in range(group):
             for i in range(n_q):
                 r = g * n_q + i
@@ -464,8 +434,7 @@ def run_decode(q, k, v, scale, band, mods, user_mask, drop, out=None, kv_scales=
         out = np.empty((n_b, n_hq, n_q, dv), dtype=dtype)
     if lse is None:
         lse = np.empty((n_b, n_hq, n_q), dtype=dtype)
-    prefetch = PREFETCH_CACHES and (k.dtype != dtype or v.dtype != dtype)  # see AHEAD
-    decode(q, k_view[0], k_view[1], k.dtype != dtype, prefetch, v_view[0], v_view[1], k_scale,
+    decode(q, k_view[0], k_view[1], k.dtype != dtype, PREFETCH, v_view[0], v_view[1], k_scale,
            ks_strides, v_scale, vs_strides, n_hkv, n_k, d, dv, n_splits, scale * LOG2_E, left,
            right, kv_lens, softcap2, slopes2, *user_mask.kernel_args(), user_mask.given,
            drop[0], drop[1], m_part, l_part, acc_part, out, lse,
