@@ -46,10 +46,15 @@ CHUNK = 128
 # hardware prefetcher alone does not keep enough lines in flight while the core computes: the
 # 64 rows of K^T are 64 streams, more than it follows, and sweeps of several thousand keys 8
 # rows at a time (stops 20-32) read each stream longer but summed the scores in 8 passes
-# through memory (10 ns a key against 6 in one pass). Measured (stop 33, Zen 4, Hkv=2,
-# Nk=32768, float32, medians of 10 rounds interleaved in one process): from DRAM, sweeps
-# 1.74-2.03 ms a step against 1.51-1.68 hinted a chunk at a time; hot, 1.44 against 0.81. With
-# float16 and int8 caches (hinted into L1 before) ... 
+# through memory (10 ns a key against 5 in one pass, keys in L2). Measured (stop 33, Zen 4,
+# Hkv=2, Nk=32768, the step's share of a streaming read of the same bytes timed in alternation
+# with it, medians of 8 rounds; old kernel / this one, two processes each): float32 from DRAM
+# 60-61 % / 71-78 %, hot 30-38 % / 53-56 %; float16 from DRAM 38-54 % / 67-72 %; int8 (a chunk
+# at a time before too, hinted into L1) 24-31 % / 45 %. Hints two chunks ahead or one or
+# three: the same within the noise. What is left, as we read it: the hints fill the core's few
+# miss buffers (one core reaches about 12 GB/s this way, the hardware prefetcher on 8 long
+# streams 19), and a pass over 8 rows of the next 1024 keys hinted with each chunk gained another 5-7 %
+# only (not kept).
 AHEAD = 2
 PREFETCH = True  # the hints (a switch for the tests: the same bits without)
 # How the key axis is split (``split_count``): into at least enough splits for ``TASKS``

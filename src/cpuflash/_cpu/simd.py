@@ -463,10 +463,9 @@ def vexp(typingctx, v):
 # decode kernel hints the next chunks of K^T's 64 rows and of V while it computes on the
 # current one; into L1 (locality 3, prefetcht0) those lines evict the scores and the current
 # chunk's rows from its 32 KiB. Measured (stop 33, Zen 4, Hkv=2, Nk=32768, float32 from DRAM,
-# one chunk a pass over all 64 rows of K^T, both streams hinted 2 chunks ahead; medians of 10
-# interleaved rounds in one process): locality 2 1.51-1.68 ms a step, locality 3 2.17-2.19,
-# locality 1 1.59-1.68; the kept sweeps of 8 rows a pass with no hints 1.74-2.03 in the same
-# processes.
+# all 64 rows of K^T in one pass over 512-1024 keys with the next ones hinted, medians of 10
+# rounds interleaved in one process): a step 1.56-1.67 ms with locality 2, 2.17-2.19 with 3,
+# 1.68-1.90 with 1 (docs/HISTORY.md, stop 33).
 PREFETCH_LOCALITY = 2
 
 

@@ -294,11 +294,9 @@ def tile_product_ahead(c, c_off, ldc, a, a_off, a_rs, a_ks, b, b_off, b_ld, rows
                        ahead):
     """``C[:rows, :cols] = A[:rows, :k] @ B[:k, :cols]`` as ``tile_product`` (SIMD, a
     row-major B with row stride ``b_ld``), prefetching every row of B it reads ``ahead``
-    elements further on as well: for B streamed once from far caches, the decode kernel's K
-    and V, where the hardware prefetcher does not keep up with the many rows of a transposed K
-    (measured at Nk = 32768 with a float16 cache, one thread: the chunk loop 15-20 % faster
-    with the next-but-one chunk hinted; with float32 it is bandwidth-bound and the hints only
-    cost)."""
+    elements further on as well (into L2: ``simd.PREFETCH_LOCALITY``): for B streamed once
+    from far caches, the decode kernel's K^T and V, where the hardware prefetcher does not keep
+    up with the many rows of a transposed K (``decode.AHEAD``)."""
     lanes = simd.lanes_of(c)
     step = MAX_VECS * lanes
     whole = rows // MR * MR
