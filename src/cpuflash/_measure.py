@@ -154,21 +154,29 @@ def decode_case(h_kv, n_k, cache_dtype, cold=False, h_q=8, d=64, torch_run=None,
         per_layer = {"cpuflash": layers, "torch": torch_layers}
     else:
         per_layer = {"cpuflash": layers}
-    # Each in its own block, not interleaved: a decode step is short, and the idle OpenMP
-    # threads of the other library spin for a while after each of its calls, on the cores
-    # this one needs (measured: cpuflash 0.87 ms alone, 1.35 ms interleaved with torch).
+    # Each library in its own block, not interleaved: a decode step is short, and the idle
+    # OpenMP threads of the other library spin for a while after each of its calls, on the
+    # cores this one needs (measured: cpuflash 0.87 ms alone, 1.35 ms interleaved with torch).
     # Best of as many for each and for the streaming read beside it: a hot step is short
     # and its best of a few is mostly noise (measured: best of 10 0.81-0.86 ms, of 200 0.75).
+    # From DRAM the streaming read runs interleaved with cpuflash's steps, round by round (the
+    # same thread pool): this machine's DRAM bandwidth drifts with its neighbours' load
+    # (stop 33: 21-45 GB/s within a session), and read seconds apart the two saw different
+    # machines. Hot, each keeps its own block, or each would evict the other from the caches.
     repeats = 20 if cold else DECODE_REPEATS
     budget_s = COLD_DECODE_BUDGET_S if cold else DECODE_BUDGET_S
+    read, n_read = stream_reader(layer_bytes * layers)
+    blocks = [{"cpuflash": step, "stream": read}] if cold else [{"cpuflash": step},
+                                                                {"stream": read}]
+    blocks += [{"torch": fns["torch"]}] if "torch" in fns else []
     best = {}
-    for name, fn in fns.items():
-        best.update(time_side_by_side({name: fn}, repeats=repeats, budget_s=budget_s))
+    for block in blocks:
+        best.update(time_side_by_side(block, repeats=repeats, budget_s=budget_s))
     t = best["cpuflash"] / layers
     row = {"Hq": h_q, "Hkv": h_kv, "Nk": n_k, "D": d, "cache": cache_dtype,
            "mode": f"cold x{layers}" if cold else "hot", "ms": t * 1e3,
            "gbs": layer_bytes / t / 1e9,
-           "stream_gbs": stream_read_bandwidth(layer_bytes * layers, repeats) / 1e9,
+           "stream_gbs": n_read / best["stream"] / 1e9,
            "err": float(np.max(np.abs(cpuflash.attention(q, k_c, v_c, **opts).astype(np.float64)
                                       - reference.attention(q, k, v))))}
     row["of_stream"] = row["gbs"] / row["stream_gbs"]
@@ -178,21 +186,29 @@ def decode_case(h_kv, n_k, cache_dtype, cold=False, h_q=8, d=64, torch_run=None,
     return row
 
 
-def stream_read_bandwidth(nbytes, repeats=20):
-    """Bytes per second of the machine's best parallel streaming read of a buffer of
-    ``nbytes`` (one vector sum per thread, the threads of the kernels): what a decode step that
-    reads that many bytes of K/V could reach at most. The buffer is read twice first, so like
-    a decode step's K/V it sits in whatever cache level its size allows."""
+def stream_reader(nbytes):
+    """``(read, nbytes_read)``: a zero-argument callable that makes the machine's parallel
+    streaming read of a buffer of about ``nbytes`` (one vector sum per thread, the threads of
+    the kernels), and the bytes it reads."""
     from ._cpu.stream import BLOCK, stream_sum
     buf = np.ones(-(-max(nbytes // 4, 1) // BLOCK) * BLOCK, dtype=np.float32)
-    stream_sum(buf)
-    stream_sum(buf)
+    return (lambda: stream_sum(buf)), buf.nbytes
+
+
+def stream_read_bandwidth(nbytes, repeats=20):
+    """Bytes per second of the machine's best parallel streaming read of a buffer of
+    ``nbytes`` (``stream_reader``): what a decode step that reads that many bytes of K/V could
+    reach at most. The buffer is read twice first, so like a decode step's K/V it sits in
+    whatever cache level its size allows."""
+    read, n_read = stream_reader(nbytes)
+    read()
+    read()
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
-        stream_sum(buf)
+        read()
         best = min(best, time.perf_counter() - t0)
-    return buf.nbytes / best
+    return n_read / best
 
 
 def _threads():
