@@ -480,6 +480,20 @@ def _prefetch(builder, ptr):
                       ir.Constant(i32, PREFETCH_LOCALITY), ir.Constant(i32, 1)])
 
 
+@intrinsic
+def prefetch_line(typingctx, arr, index):
+    """Hint the cache line holding ``arr[index]`` into L2 (``_prefetch``); an index past the
+    array's end is harmless (a hint never faults)."""
+    if not isinstance(arr, types.Array):
+        return None
+
+    def codegen(context, builder, sig, args):
+        _prefetch(builder, _elem_ptr(context, builder, sig.args[0], args[0], args[1]))
+        return context.get_dummy_value()
+
+    return types.void(arr, types.intp), codegen
+
+
 # Terms per partial sum of a gemm's inner product (``partial_terms``; tiles.py says which
 # products use it). A float32 sum of n terms accumulated in one register rounds n times at the
 # size of the whole running sum; in partial sums of m terms, each added to the total in order,
