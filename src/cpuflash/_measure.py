@@ -161,7 +161,7 @@ def decode_case(h_kv, n_k, cache_dtype, cold=False, h_q=8, d=64, torch_run=None,
     # and its best of a few is mostly noise (measured: best of 10 0.81-0.86 ms, of 200 0.75).
     # From DRAM the streaming read runs interleaved with cpuflash's steps, round by round (the
     # same thread pool): this machine's DRAM bandwidth drifts with its neighbours' load
-    # (stop 33: 21-45 GB/s within a session), and read seconds apart the two saw different
+    # (stop 33: 21-47 GB/s within a session), and read seconds apart the two saw different
     # machines. Hot, each keeps its own block, or each would evict the other from the caches.
     repeats = 20 if cold else DECODE_REPEATS
     budget_s = COLD_DECODE_BUDGET_S if cold else DECODE_BUDGET_S
