@@ -12,7 +12,8 @@ read once per call, straight from the caller's array (rows must be unit-stride):
 
 With K transposed (KVCache's layout) a chunk's scores are one tile product over all D rows of
 K^T (``transposed_scores``). Both products hint the rows they will read ``AHEAD`` chunks later
-into L2, so that K/V stream in while the core computes on the current chunk.
+into L2, and K^T is also hinted a block ahead a few rows at a time (``HINT_BLOCK``), so that
+K/V stream in while the core computes on the current chunk.
 
 Each split leaves ``m``, ``l`` and an unnormalized ``acc``; ``combine_row`` merges the splits
 in split order (``out = sum_s acc_s 2^(m_s - M) / sum_s l_s 2^(m_s - M)``). The number of splits
@@ -53,8 +54,7 @@ CHUNK = 128
 # at a time before too, hinted into L1) 24-31 % / 45 %. Hints two chunks ahead or one or
 # three: the same within the noise. What is left, as we read it: the hints fill the core's few
 # miss buffers (one core reaches about 12 GB/s this way, the hardware prefetcher on 8 long
-# streams 19), and a pass over 8 rows of the next 1024 keys hinted with each chunk gained another 5-7 %
-# only (not kept).
+# streams 19); the block hints below take back a little of it.
 AHEAD = 2
 PREFETCH = True  # the hints (a switch for the tests: the same bits without)
 # K^T is also hinted a block of HINT_BLOCK keys ahead in the order the hardware prefetcher
@@ -241,7 +241,8 @@ def decode(q, kf, k_strides, k_storage, prefetch, vf, v_strides, k_scale, ks_str
     s3)``: ``s3 = 1`` (rows of K contiguous, scores by ``vdot_keys``) or ``s2 = 1`` (K
     transposed, keys contiguous, scores by the tile product); ``v_strides`` likewise with
     ``s3 = 1``. ``k_storage``: whether K is in a storage type (not the compute dtype).
-    ``prefetch``: whether the tile products hint K^T and V ``AHEAD`` chunks ahead.
+    ``prefetch``: whether the tile products hint K^T and V ``AHEAD`` chunks ahead (and K^T
+    is hinted ``HINT_BLOCK`` keys ahead).
     k_scale, v_scale: int8 dequantization scales, 1-D views with strides ``ks_strides``,
     ``vs_strides`` over (b, h, j) (``K = kf * k_scale``), or empty arrays when K/V are floats.
     left, right, kv_lens: the band of keys each row sees (masking.py); the splits divide the
