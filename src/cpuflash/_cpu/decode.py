@@ -186,6 +186,21 @@ def hint_rows(kf, off, k_step, r0, r1, n_keys):
 
 
 @helper
+def hint_next_block(kf, k_head, k_step, d, c0, j_start, j_stop):
+    """With the chunk from key ``c0``, the ``nth`` of its block of ``HINT_BLOCK`` keys counted
+    from ``j_start``, hint its share of K^T's rows over the next block's keys (``g`` rows a
+    chunk, all D in a block); with the first chunk, the whole first block too. Keys from
+    ``j_stop`` on are not hinted."""
+    if c0 == j_start:
+        hint_rows(kf, k_head + c0, k_step, 0, d, min(HINT_BLOCK, j_stop - c0))
+    nth = (c0 - j_start) // CHUNK % (HINT_BLOCK // CHUNK)
+    nxt = c0 + HINT_BLOCK - nth * CHUNK
+    g = -(-d * CHUNK // HINT_BLOCK)
+    hint_rows(kf, k_head + nxt, k_step, min(d, nth * g), min(d, (nth + 1) * g),
+              max(0, min(HINT_BLOCK, j_stop - nxt)))
+
+
+@helper
 def transposed_scores(s, q_s, rows, d, kf, k_off, k_step, n_c, ahead):
     """``s[r, jj] = q_r . k_jj`` for ``jj < n_c`` (rows ``CHUNK`` apart in ``s``) of a
     transposed K: dim ``dd`` of key ``jj`` at ``kf[k_off + jj + dd*k_step]``. One tile product
@@ -301,15 +316,8 @@ def decode(q, kf, k_strides, k_storage, prefetch, vf, v_strides, k_scale, ks_str
         for c0 in range(j_start, j_stop, CHUNK):
             n_c = min(CHUNK, j_stop - c0)
             if keys_unit:
-                if prefetch:  # K^T's next block, a group of rows a chunk (HINT_BLOCK)
-                    if c0 == j_start:  # and this first block, all at once
-                        hint_rows(kf, k_head + c0, k_strides[3], 0, d,
-                                  min(HINT_BLOCK, j_stop - c0))
-                    nth = (c0 - j_start) // CHUNK % (HINT_BLOCK // CHUNK)
-                    nxt = c0 + HINT_BLOCK - nth * CHUNK
-                    g = -(-d * CHUNK // HINT_BLOCK)
-                    hint_rows(kf, k_head + nxt, k_strides[3], min(d, nth * g),
-                              min(d, (nth + 1) * g), max(0, min(HINT_BLOCK, j_stop - nxt)))
+                if prefetch:
+                    hint_next_block(kf, k_head, k_strides[3], d, c0, j_start, j_stop)
                 transposed_scores(s, q_s, rows, d, kf, k_head + c0, k_strides[3], n_c,
                                   AHEAD * CHUNK if prefetch else 0)
             else:
