@@ -2,12 +2,13 @@
 over a transposed K (``decode.transposed_scores``, all D rows in one tile product), the online
 softmax of the chunk, and P V with the rescale, for one GQA group of ``--rows`` query rows;
 ``--hints 0,1``: without and with the kernel's prefetch hints (``decode.AHEAD`` chunks ahead,
-into L2). With ``--k-pad 0,16`` the rows of K^T are also laid out without and with KVCache's
-padding (one 64-byte line; ``kvcache.K_ROW_PAD_BYTES``). Best of 5 runs of ``--reps`` passes
+into L2). ``--k-pad 0,16,128``: the rows of K^T padded by that many floats (16: one 64-byte
+line, KVCache's padding of rows under 4 KiB; 128: 512 bytes, KVCache's for ``--keys`` a
+multiple of 1024, ``kvcache.k_row_length``). Best of 5 runs of ``--reps`` passes
 over the keys each. Run with ``NUMBA_NUM_THREADS=1``. Not collected by pytest.
 
     NUMBA_NUM_THREADS=1 python bench/cpu_decode_steps.py [--keys 1024] [--rows 4]
-                                                         [--hints 0,1] [--k-pad 0,16]
+                                                         [--hints 0,1] [--k-pad 0,16,128]
 """
 import argparse
 import sys
@@ -54,7 +55,7 @@ def main(argv=None):
     p.add_argument("--keys", type=int, default=1024)
     p.add_argument("--rows", type=int, default=4)
     p.add_argument("--hints", type=lambda t: int_list(t, at_least=0), default=[0, 1])
-    p.add_argument("--k-pad", type=lambda t: int_list(t, at_least=0), default=[0, 16])
+    p.add_argument("--k-pad", type=lambda t: int_list(t, at_least=0), default=[0, 16, 128])
     p.add_argument("--reps", type=int, default=2000)
     a = p.parse_args(argv)
     if a.keys < CHUNK or a.keys % CHUNK or a.rows < 1 or a.reps < 1:

@@ -140,6 +140,38 @@ def test_storage_starts_on_a_cache_line():
             assert x.ctypes.data % 64 == 0 and x.flags.c_contiguous and not x.any()
 
 
+@pytest.mark.parametrize("max_len", [1024, 1100, 4096, 32768])
+@pytest.mark.parametrize("itemsize", [8, 4, 2, 1])
+def test_long_k_rows_take_their_own_cache_sets(max_len, itemsize):
+    """Rows of K^T of 4 KiB or more are padded to 512 bytes past a multiple of 4 KiB, so that
+    the 512 bytes a chunk reads from each of 128 rows land in distinct 512-byte slots of a
+    64 KiB cache way (and 256 rows in a 128 KiB one): no two rows meet in a cache set."""
+    row = cpuflash.kvcache.k_row_length(max_len, itemsize)
+    stride = row * itemsize
+    if max_len * itemsize < 4096:
+        assert row == max_len + 64 // itemsize
+        return
+    assert row >= max_len and stride % 4096 == 512 and stride - max_len * itemsize < 4096
+    for way, rows in ((64 << 10, 128), (128 << 10, 256)):
+        slots = {r * stride % way // 512 for r in range(rows)}
+        assert len(slots) == rows
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.int8])
+def test_decode_over_padded_long_rows(dtype):
+    """A cache whose K^T rows are padded past 4 KiB (1100 keys: 52 float32 elements, 624 int8)
+    decodes as the reference on its dequantized K/V."""
+    n_k = 1090
+    cache = cpuflash.KVCache(1, 1, 2, 1100, D, dtype=dtype)
+    assert cache.k_t.shape[-1] > 1100 + 16
+    cache.append(0, rand((1, 2, n_k, D), seed=8), rand((1, 2, n_k, D), seed=9))
+    q = rand((1, 4, 2, D), seed=10)
+    out = cache.attention(0, q, causal=True)
+    kd, vd = dequantized(cache, 0)
+    want = reference.attention(q.astype(np.float64), kd, vd, causal=True)
+    np.testing.assert_allclose(out, want, atol=2e-6, rtol=0)
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int8])
 def test_prefetch_hints_change_no_bit(dtype, monkeypatch):
     """The tile products hint K^T and V ahead into L2: the same bits without."""

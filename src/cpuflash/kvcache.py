@@ -1,8 +1,8 @@
 """A preallocated K/V cache for incremental decoding, in float32/float64, float16 or int8.
 
 Storage is allocated once: V as ``(layers, B, Hkv, max_len, Dv)`` and K transposed, as
-``(layers, B, Hkv, D, max_len + pad)`` (``K_ROW_PAD_BYTES``, one cache line after each row):
-with the keys contiguous, the decode kernel computes the scores ``q . k_j`` as a
+``(layers, B, Hkv, D, max_len + pad)`` (``k_row_length``: rows padded so that they spread over
+the cache sets): with the keys contiguous, the decode kernel computes the scores ``q . k_j`` as a
 register-blocked product with the keys along the vector lanes (no horizontal sums; measured at
 Hq=8, Hkv=2, Nk=32768 against row-major K: as fast in float32, 1.1-1.3x faster per step with
 float16 and int8 caches, whose keys are converted once per load). ``append`` writes new tokens
@@ -46,15 +46,37 @@ def quantize_int8(x, *, name="x"):
     return x8, scale
 
 
-# Each row of K^T (one dim of a head's keys) is this many bytes longer than ``max_len`` keys.
-# Rows a multiple of 4 KiB apart (any power-of-two ``max_len`` of 1024 float32 keys or more)
-# fall in one set of the L1 cache, whose 8 ways (Zen 3; 12 on Sapphire Rapids) cannot hold the
-# dozens of rows the score product reads at once: it evicts its own lines. One cache line more
-# per row spreads them over the sets. Measured on Zen 3, one thread, 4 query rows, 1024 keys
-# in L2 (``bench/cpu_decode_steps.py``, four runs): the scores of a sweep summed all 64 dims in
-# one pass 16-25 -> 8-12 ns per key (as the kernel sums them since stop 33); 8 dims a pass (the
-# sweeps of stops 20-32) 20-31 -> 16-24, in the noise.
+# Rows of K^T (one dim of a head's keys each) are padded past ``max_len`` keys so that the
+# lines the decode kernel reads from all of them at once fall in different cache sets. A set
+# of a cache is picked by the address modulo its way size (a power of two: 4 KiB for the L1
+# data caches here, 64-128 KiB for the L2s), so rows a power of two apart (any power-of-two
+# ``max_len`` of 1024 float32 keys or more) all meet in one set, whose 8 ways cannot hold the
+# dozens of rows that a chunk of keys reads at once (``_cpu.decode.CHUNK`` keys: 512 bytes of
+# each float32 row), nor the rows hinted ahead of it: the kernel evicts its own lines.
+#
+# Rows of 4 KiB or more: the padded row is 512 bytes past a multiple of 4 KiB
+# (``K_ROW_PHASE_BYTES``). Row r then starts 512 * (r * (8m + 1) mod W/512) bytes into a way of
+# W bytes (m some integer): 8m + 1 is odd, so for r < W/512 (256 rows in a 128 KiB way, 128 in
+# 64 KiB) these are distinct, and the 512 bytes each row gives to a float32 chunk (256 float16,
+# 128 int8) take their own sets in every cache level. Costs 512 bytes a row at a power-of-two
+# ``max_len`` (0.4 % at 32768 float32 keys), at most 4 KiB. Measured on the Zen 4 (stop 34,
+# Hkv=2, Nk=32768, from DRAM, paddings side by side in one process, 12 rounds): a step 2-9 %
+# faster than with one 64-byte line of padding in every round (float32 1.09-1.50 ms against
+# 1.14-1.58, float16 0.73-0.76 against 0.76-0.81; 2112 bytes of padding as 512).
+# Shorter rows: one 64-byte line (``K_ROW_PAD_BYTES``); with one line more per row the
+# rows step through the L1's sets one by one, which the tile product over all D rows of a chunk
+# needs (measured on Zen 3, keys in L2, ``bench/cpu_decode_steps.py``: 16-25 -> 8-12 ns per key).
 K_ROW_PAD_BYTES = 64
+K_ROW_PHASE_BYTES = 512
+_PAGE = 4096
+
+
+def k_row_length(max_len, itemsize):
+    """Elements in a row of KVCache's K^T: ``max_len`` keys and the padding (above)."""
+    row_bytes = max_len * itemsize
+    if row_bytes < _PAGE:
+        return max_len + K_ROW_PAD_BYTES // itemsize
+    return max_len + (K_ROW_PHASE_BYTES - row_bytes) % _PAGE // itemsize
 
 
 def _count(name, x, minimum=1):
@@ -93,7 +115,7 @@ class KVCache:
             raise TypeError(f"dtype: expected one of float32, float64, float16, int8, got {dtype}")
         self.dtype = dtype
         self.max_len = max_len
-        k_row = max_len + K_ROW_PAD_BYTES // dtype.itemsize  # K^T rows: see K_ROW_PAD_BYTES
+        k_row = k_row_length(max_len, dtype.itemsize)  # padded: see K_ROW_PHASE_BYTES
         # On a cache line (pack.on_line): a large numpy array starts 16 bytes past one, and
         # every AVX-512 load of a K/V row would straddle two (measured: the chunk loop of a
         # float32 decode step about 5 % slower on one thread).
