@@ -213,23 +213,37 @@ def _pieces(keys, per_row, threads, affine):
         yield guard, j, p
 
 
-def copy_tile(at, src, width, pad, ld, first, per_piece, keys, threads, affine=False):
+def copy_tile(at, src, width, pad, ld, first, per_piece, keys, threads, affine=False,
+              inside=False):
     """Lines: this thread's 16-byte pieces of the ``keys x pad`` tile of rows ``first ..`` of
     ``src`` into shared ``sm`` from word ``at`` (row stride ``ld`` 4-byte words), by
     ``copy_async16``; a piece is ``per_piece`` elements of ``src`` (4 float32, 8 float16) and 4
     words of ``sm``. Rows outside the block's keys ``[lo, hi]`` and pieces past ``width`` (a
     multiple of ``per_piece``) are zero-filled. ``affine``: a thread's pieces written as one
     row and column plus constant row offsets (when the threads cover whole rows), so that its
-    addresses differ by constants and need no register each."""
-    lines = []
+    addresses differ by constants and need no register each.
+
+    ``inside``: a tile inside ``[lo, hi]`` (every tile but the edges of the band) takes its
+    rows as they are, on a branch of its own: the clamp and test of each row against ``lo``
+    and ``hi`` are 64-bit compares and selects, about 20 instructions a piece (SASS, sm_90: 90
+    of a key tile's 1252 at D=128 went to K's four pieces a thread). (The float16 kernel with
+    a mask and dropout spills 24 bytes more with it: not taken there.)"""
+    fast, edge = [], []
     for guard, j, p in _pieces(keys, pad // per_piece, threads, affine):
         c = f"{per_piece} * {p}"
+        to = f"({at} + {j} * {ld} + 4 * {p}) & ALIGN4"
+        col = f"min({c}, {width} - {per_piece}) & ANY"
         ok = f"(lo <= {first} + {j}) & ({first} + {j} <= hi) & ({c} < {width})"
-        body = (f"copy_async16(sm, ({at} + {j} * {ld} + 4 * {p}) & ALIGN4, {src}, "
-                f"min(max({first} + {j}, lo), hi) & ANY, min({c}, {width} - {per_piece}) & ANY, "
+        plain = (f"copy_async16(sm, {to}, {src}, ({first} + {j}) & ANY, {col}, "
+                 f"16 if {c} < {width} else 0)")
+        body = (f"copy_async16(sm, {to}, {src}, min(max({first} + {j}, lo), hi) & ANY, {col}, "
                 f"16 if {ok} else 0)")
-        lines += [f"if {guard}:", "    " + body] if guard else [body]
-    return lines
+        for lines, line in ((fast, plain), (edge, body)):
+            lines += [f"if {guard}:", "    " + line] if guard else [line]
+    if not inside:
+        return edge
+    return ([f"if lo <= {first} and {first} + {keys - 1} <= hi:"] + ["    " + x for x in fast]
+            + ["else:"] + ["    " + x for x in edge])
 
 
 def _split(value, big, small, once=False):
@@ -338,6 +352,19 @@ def mtile_state(tags, nvd, dim0="", writes_lse="t == 0"):
     return init, store
 
 
+def q_quad_index(r, c, ks):
+    """Source text: the word of Q's element (row ``r`` of the block, dim ``c``) in the
+    fragment order of ``S = Q K^T``'s A operands, ``ks`` k-steps of 8 dims to a row of
+    16-row m-tiles: per (m-tile, k-step), lane ``4g + t`` holds its quad ``a0 .. a3`` = Q[g,
+    2t], Q[g + 8, 2t], Q[g, 2t + 1], Q[g + 8, 2t + 1] (dims of the k-step) in 16 bytes, so that
+    one 16-byte load fills the four registers an MMA takes its A operand from. Q stored as
+    rows, a quad came as two 8-byte loads of pairs (a0, a2) and (a1, a3), and the compiler
+    moved them into place: 4 moves a quad, 294 moves in a key tile's 1585 instructions at
+    D=128 (SASS, sm_90). A warp's 16-byte loads cover 512 bytes in a row: no bank conflict."""
+    return (f"((({r}) // 16 * {ks} + ({c}) // 8) * 32 + ({r}) % 8 * 4 + ({c}) % 8 // 2) * 4 "
+            f"+ ({c}) % 2 * 2 + ({r}) % 16 // 8")
+
+
 @functools.cache
 def make_forward(d_pad, dv_pad, mods, mask=None, dropout=False):
     """The tensor-core forward kernel for float32 head dims up to ``d_pad``/``dv_pad``
@@ -353,15 +380,17 @@ def make_forward(d_pad, dv_pad, mods, mask=None, dropout=False):
     NKS, NJ, NVD = DKW // 8, BN // 8, DVW // 8  # a warp's k-steps of S, n-tiles of S and out
     # Row strides (floats), for conflict-free fragment loads: a half warp's 8-byte K loads
     # (rows g, dims 2t) need LDK = 8 (mod 32) words; a warp's V loads (rows 2t, dims g),
-    # LDV = 4 (mod 16)
-    LDQ, LDK, LDV = DK + 8, DK + 8, DV + 4
-    # Q's TF32 parts, split once for all key tiles: big at 0, small at QL_AT. (Split in every
+    # LDV = 4 (mod 16). Q is stored in the MMA's fragment order (``q_quad_index``).
+    LDK, LDV = DK + 8, DV + 4
+    KS = DK // 8  # k-steps over all of Q's dims
+    # Q's TF32 parts, split once for all key tiles: big at 0, small at QL_AT, each as quads
+    # (``q_quad_index``). (Split in every
     # tile as K and V are, stop 21: 2-3 % slower at D = 64 and 128, log
     # bench/results/h200_q_presplit_stop22.txt. Both parts of a pair of dims side by side, one
     # 16-byte load where two blocks take two 8-byte loads, stop 24: the same speed within 0.5 %,
     # bench/results/h200_q_pairs_stop24.txt; two stages of K/V buffers with one barrier a tile,
     # 12-17 % slower, bench/results/h200_two_stages_stop24.txt.)
-    QL_AT = BM * LDQ
+    QL_AT = BM * DK
     K_AT, V_AT = 2 * QL_AT, 2 * QL_AT + BN * LDK  # multiples of 4: 16-byte aligned
     X_AT = V_AT + BN * LDV  # with SPLIT = 2: the warps' partial scores, [score][thread]
     NX = MT * NJ * 4 if SPLIT > 1 else 0  # a thread's scores
@@ -369,7 +398,7 @@ def make_forward(d_pad, dv_pad, mods, mask=None, dropout=False):
     dynamic = SIZE > SHARED_FLOATS  # past the static 48 KiB: sized at launch
     # S = Q K^T, per k-step ks (dims 8ks..8ks+7): A = Q[g, 8ks + 2t], Q[g + 8, 8ks + 2t], Q[g,
     # 8ks + 2t + 1], Q[g + 8, 8ks + 2t + 1] (the MMA's k = t is dim 2t, k = t + 4 is dim 2t +
-    # 1), four 8-byte loads of its TF32 parts (split once, above); per n-tile j (keys 8j..8j+7)
+    # 1), one 16-byte load of each TF32 part (split once, above); per n-tile j (keys 8j..8j+7)
     # B = K[8j + g, 8ks + 2t] and K[8j + g, 8ks + 2t + 1], one, split into TF32 parts in
     # registers once for all the warp's m-tiles. Each accumulator takes its three MMAs in the
     # order small terms first; between them the MMAs of the other n-tiles and m-tiles, which do
@@ -377,11 +406,9 @@ def make_forward(d_pad, dv_pad, mods, mask=None, dropout=False):
     s_mma = []
     for ks in range(NKS):
         for i, tag in enumerate(tags):
-            at = f"q_frag + {16 * i * LDQ + 8 * ks}"
+            at = f"q_frag + {128 * (i * KS + ks)}"
             for part, base in (("qb", at), ("ql", f"{at} + QL_AT")):
-                s_mma += [f"{part}{tag}_0 = sm[{base}]", f"{part}{tag}_2 = sm[{base} + 1]",
-                          f"{part}{tag}_1 = sm[{base} + {8 * LDQ}]",
-                          f"{part}{tag}_3 = sm[{base} + {8 * LDQ + 1}]"]
+                s_mma += [f"{part}{tag}_{c} = sm[{base} + {c}]" for c in range(4)]
         for j in range(NJ):
             at = f"k_frag + {8 * j * LDK + 8 * ks}"
             s_mma += [f"y0 = sm[{at}]", f"y1 = sm[{at} + 1]"]
@@ -413,13 +440,13 @@ def make_forward(d_pad, dv_pad, mods, mask=None, dropout=False):
     # 3xTF32 kernel stages its sums too; 3e-7 so). n-tiles outermost: 4 staging registers an
     # m-tile.
     if SPLIT == 1:
-        fragments = [f"q_frag = ((tid // 32) * {16 * MT} * LDQ + g * LDQ + 2 * t) & ALIGN2  # A "
+        fragments = [f"q_frag = ((tid // 32) * {128 * MT * KS} + 4 * lane) & ALIGN4  # A "
                      "operands of S = Q K^T", "k_frag = (K_AT + g * LDK + 2 * t) & ALIGN2  # B "
                      "operands", "v_frag = V_AT + 2 * t * LDV + g             # and of P V"]
     else:
         fragments = [f"half = (tid // 32) % {SPLIT}  # this warp's share of the dims",
-                     f"q_frag = ((tid // {32 * SPLIT}) * {16 * MT} * LDQ + g * LDQ + 2 * t "
-                     f"+ {DKW} * half) & ALIGN2",
+                     f"q_frag = ((tid // {32 * SPLIT}) * {128 * MT * KS} + 4 * lane "
+                     f"+ {128 * (DKW // 8)} * half) & ALIGN4",
                      f"k_frag = (K_AT + g * LDK + 2 * t + {DKW} * half) & ALIGN2",
                      f"v_frag = V_AT + 2 * t * LDV + g + {DVW} * half"]
     pv = []
@@ -457,12 +484,12 @@ def make_forward(d_pad, dv_pad, mods, mask=None, dropout=False):
         rows=mtile_rows(tags, SPLIT),
         fragments=fragments,
         load_q=q_block_lines("; ".join(_split("{x}", "xb", "xl", once=True)
-                                       + ["sm[({r} * LDQ + {c}) & ANY] = xb",
-                                          "sm[(QL_AT + {r} * LDQ + {c}) & ANY] = xl"])),
+                                       + ["at = " + q_quad_index("{r}", "{c}", KS),
+                                          "sm[at & ANY] = xb", "sm[(QL_AT + at) & ANY] = xl"])),
         init=init,
-        copy_first_k=copy_tile("K_AT", "kh", "d", DK, "LDK", "kb_lo * BN", 4, BN, NT, True),
-        copy_next_k=copy_tile("K_AT", "kh", "d", DK, "LDK", "k0 + BN", 4, BN, NT, True),
-        copy_v=copy_tile("V_AT", "vh", "dv", DV, "LDV", "k0", 4, BN, NT, True),
+        copy_first_k=copy_tile("K_AT", "kh", "d", DK, "LDK", "kb_lo * BN", 4, BN, NT, True, True),
+        copy_next_k=copy_tile("K_AT", "kh", "d", DK, "LDK", "k0 + BN", 4, BN, NT, True, True),
+        copy_v=copy_tile("V_AT", "vh", "dv", DV, "LDV", "k0", 4, BN, NT, True, True),
         zero_s=[f"s{tag}{j}_{c} = ZERO" for tag in tags for j in range(NJ) for c in range(4)],
         s_mma=s_mma, scores=scores, softmax=softmax, pv=pv,
         to_base2=exchange_in, store=store)
@@ -472,7 +499,7 @@ def make_forward(d_pad, dv_pad, mods, mask=None, dropout=False):
              "copy_commit": copy_commit, "copy_wait": copy_wait, "copy_wait_all": copy_wait_all,
              "FULL_MASK": FULL_MASK, "LN2": LN2, "NEG_INF": NEG_INF, "ONE": ONE,
              "ZERO": ZERO, **extra_names(),
-             "BM": BM, "BN": BN, "NT": NT, "DK": DK, "LDQ": LDQ, "LDK": LDK, "LDV": LDV,
+             "BM": BM, "BN": BN, "NT": NT, "DK": DK, "LDK": LDK, "LDV": LDV,
              "K_AT": K_AT, "V_AT": V_AT, "QL_AT": QL_AT, "X_AT": X_AT, "SIZE": SIZE,
              "MODS": mods, "ANY": index_mask(1), "ALIGN2": index_mask(2),
              "ALIGN4": index_mask(4)}
