@@ -158,6 +158,9 @@ def test_ptx_tensor_cores(d, tmp_path):
     assert ptx.count(", -8192;") == 2 * per_tile
     assert ptx.count("cvt.rna.tf32.f32") < per_tile
     assert "cp.async.cg.shared.global" in ptx
+    # Q's A operands, a quad of each TF32 part per m-tile and k-step: one 16-byte load each
+    # (forward_mma.load_q_lines), not pairs that the compiler moves into place
+    assert ptx.count("ld.shared.v4") == 2 * m_tiles * (d // split // 8)
     assert dynamic_bytes > 48 * 1024
     assert ".extern .shared" in ptx
     _check_spills(ptx, tmp_path)
@@ -238,3 +241,58 @@ def test_tensor_core_kernel_takes_only_what_it_can():
     assert not usable(q, arr(), transposed, (9, 0))
     heads_inner = arr(strides=(64 * 2 * 64 * 4, 64 * 4, 2 * 64 * 4, 4))  # (B, N, H, D) view
     assert usable(q, heads_inner, heads_inner, (9, 0))
+
+
+def _tf32_round(x):
+    """``cvt.rna.tf32.f32`` of a float32 in numpy: nearest, ties away from zero."""
+    bits = np.array([x], np.float32).view(np.uint32)
+    return ((bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32)[0]
+
+
+class _Shared:
+    """A block's shared memory for a kernel's lines run as Python: counts every store."""
+
+    def __init__(self, n):
+        self.words = np.full(n, np.nan, np.float32)
+        self.stores = np.zeros(n, np.int64)
+
+    def __setitem__(self, i, x):
+        self.words[i] = x
+        self.stores[i] += 1
+
+
+@pytest.mark.parametrize("d_pad, n_q, d", [(64, 100, 64), (128, 64, 120), (48, 300, 44)])
+def test_tensor_core_q_quads(d_pad, n_q, d):
+    """The tensor-core forward's Q prologue (``forward_mma.load_q_lines``), run as Python by
+    every thread of a block: each word of Q's two TF32 parts stored exactly once, nothing past
+    them, and quad ``e = (m-tile * KS + k-step) * 32 + 4g + t`` holding Q[g, 2t], Q[g + 8,
+    2t], Q[g, 2t + 1], Q[g + 8, 2t + 1] of its m-tile and k-step, scaled, rows past ``n_q``
+    and dims past ``d`` zero (the A operands of ``S = Q K^T``: one 16-byte load each)."""
+    from cpuflash._cuda import forward_mma
+    warps, mt, _, split = forward_mma.SHAPES[d_pad]
+    bm, nt, ks = 16 * mt * warps // split, 32 * warps, d_pad // 8
+    ql_at = bm * d_pad
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, 2, n_q, d)).astype(np.float32)
+    scale2 = np.float32(0.3)
+    q0 = n_q - 40 if n_q > bm else 0  # the last block: rows past n_q when n_q < q0 + bm
+    rows = min(bm, n_q - q0)
+    source = "def prologue(tid, sm):\n" + "\n".join(
+        "    " + line for line in forward_mma.load_q_lines(ks))
+    names = {"BM": bm, "NT": nt, "QL_AT": ql_at, "ANY": tiles.index_mask(1),
+             "ALIGN4": tiles.index_mask(4), "ZERO": np.float32(0), "float32": np.float32,
+             "tf32": _tf32_round, "q": q, "b": 0, "h": 1, "q0": q0, "rows": rows, "d": d,
+             "scale2": scale2}
+    exec(source, names)
+    sm = _Shared(2 * ql_at + 64)
+    for tid in range(nt):
+        names["prologue"](tid, sm)
+    assert (sm.stores[:2 * ql_at] == 1).all() and not sm.stores[2 * ql_at:].any()
+    want = np.zeros((bm, d_pad), np.float32)
+    want[:rows, :d] = q[0, 1, q0:q0 + rows] * scale2
+    quads = want.reshape(bm // 16, 2, 8, ks, 4, 2)  # (m-tile, g + 8?, g, k-step, t, 2t + 1?)
+    quads = quads.transpose(0, 3, 2, 4, 5, 1).reshape(-1)  # (m, ks, g, t, dim 2t+1?, row g+8?)
+    big = np.array([_tf32_round(x) for x in quads], np.float32)
+    np.testing.assert_array_equal(sm.words[:ql_at], big)
+    np.testing.assert_array_equal(sm.words[ql_at:2 * ql_at],
+                                  [_tf32_round(x) for x in quads - big])

@@ -70,7 +70,6 @@ from .tiles import (
     grid,
     index_mask,
     mask_prologue,
-    q_block_lines,
     score_lines,
     shfl_xor_sync,
     signature,
@@ -290,9 +289,10 @@ def softmax_lines(nj, mt=""):
 
 def store_lines(nvd, mt="", dim0="", writes_lse="t == 0"):
     """Lines: the output ``o{mt}{nd}_{c}`` (``nvd`` n-tiles of 8 dims, accumulator layout,
-    from dim ``dim0``: "" or " + <expression>") divided by ``l`` into ``out``, and ``lse``
-    (by the lanes where ``writes_lse``); rows past ``n_q`` and dims past ``dv`` are not
-    stored. ``mt`` as in ``softmax_lines``."""
+    from dim ``dim0``: "" or " + <expression>") divided by ``l`` into ``oh``, and ``lse`` into
+    ``lse_h`` (by the lanes where ``writes_lse``), the head's rows of ``out`` and ``lse``
+    (``mtile_state``); rows past ``n_q`` and dims past ``dv`` are not stored. ``mt`` as in
+    ``softmax_lines``."""
     store = []
     for w, cs in (("lo", (0, 1)), ("hi", (2, 3))):
         r, m, total = f"r{mt}_{w}", f"m{mt}_{w}", f"l{mt}_{w}"
@@ -302,8 +302,9 @@ def store_lines(nvd, mt="", dim0="", writes_lse="t == 0"):
         for nd in range(nvd):
             for c in cs:
                 col = f"{8 * nd + (c & 1)} + 2 * t{dim0}"
-                store += [f"    if {col} < dv: out[b, h, {r}, {col}] = o{mt}{nd}_{c} * inv_l"]
-        store += [f"    if {writes_lse}: lse[b, h, {r}] = ({m} + math.log2({total})) * LN2 "
+                store += [f"    if {col} < dv: oh[{r} & ANY, ({col}) & ANY] = "
+                          f"o{mt}{nd}_{c} * inv_l"]
+        store += [f"    if {writes_lse}: lse_h[{r} & ANY] = ({m} + math.log2({total})) * LN2 "
                   "if seen else NEG_INF"]
     return store
 
@@ -344,7 +345,8 @@ def mtile_softmax(tags, nj, mods, mask=None, dropout=False):
 def mtile_state(tags, nvd, dim0="", writes_lse="t == 0"):
     """Lines: each m-tile's running max, sum and output set up (``init``), and stored
     (``store``, ``store_lines``)."""
-    init, store = [], []
+    # The rows of this head (indices masked non-negative, so without the wraparound test)
+    init, store = [], ["oh = out[b, h]", "lse_h = lse[b, h]"]
     for tag in tags:
         init += [f"m{tag}_lo = NEG_INF", f"m{tag}_hi = NEG_INF", f"l{tag}_lo = ZERO",
                  f"l{tag}_hi = ZERO"] + rep(f"o{tag}{{nd}}_{{c}} = ZERO", nd=nvd, c=4)
@@ -352,17 +354,35 @@ def mtile_state(tags, nvd, dim0="", writes_lse="t == 0"):
     return init, store
 
 
-def q_quad_index(r, c, ks):
-    """Source text: the word of Q's element (row ``r`` of the block, dim ``c``) in the
-    fragment order of ``S = Q K^T``'s A operands, ``ks`` k-steps of 8 dims to a row of
-    16-row m-tiles: per (m-tile, k-step), lane ``4g + t`` holds its quad ``a0 .. a3`` = Q[g,
-    2t], Q[g + 8, 2t], Q[g, 2t + 1], Q[g + 8, 2t + 1] (dims of the k-step) in 16 bytes, so that
-    one 16-byte load fills the four registers an MMA takes its A operand from. Q stored as
-    rows, a quad came as two 8-byte loads of pairs (a0, a2) and (a1, a3), and the compiler
-    moved them into place: 4 moves a quad, 294 moves in a key tile's 1585 instructions at
-    D=128 (SASS, sm_90). A warp's 16-byte loads cover 512 bytes in a row: no bank conflict."""
-    return (f"((({r}) // 16 * {ks} + ({c}) // 8) * 32 + ({r}) % 8 * 4 + ({c}) % 8 // 2) * 4 "
-            f"+ ({c}) % 2 * 2 + ({r}) % 16 // 8")
+def load_q_lines(ks):
+    """Lines: the block's Q rows scaled to base 2 (``scale2``), split into TF32 parts (big at
+    0, small at ``QL_AT``), rows past ``n_q`` and dims past ``d`` as 0, each part in the
+    fragment order of ``S = Q K^T``'s A operands, ``ks`` k-steps of 8 dims to a 16-row m-tile:
+    quad ``e = (m-tile * ks + k-step) * 32 + lane`` at words ``4e .. 4e + 3`` holds lane ``4g +
+    t``'s ``a0 .. a3`` = Q[g, 2t], Q[g + 8, 2t], Q[g, 2t + 1], Q[g + 8, 2t + 1] (rows of the
+    m-tile, dims of the k-step), so that one 16-byte load fills the four registers an MMA
+    takes its A operand from, and a warp's loads cover 512 bytes in a row (no bank conflict).
+    Q stored as rows, a quad came as two 8-byte loads of pairs (a0, a2) and (a1, a3), and the
+    compiler moved them into place: 4 moves a quad, 294 moves in a key tile's 1585
+    instructions at D=128 (SASS, sm_90).
+
+    A thread takes whole quads, their elements found by shifts and masks of ``e``: element by
+    element, the divisions and 64-bit index arithmetic of a row-major loop
+    (``tiles.q_block_lines``) cost 138 instructions an element at D=128, a tenth of a block's
+    work at N=1024."""
+    if ks & (ks - 1) == 0:  # a power of two: shifts and masks
+        mtile, kstep = f"(e >> {4 + ks.bit_length()})", f"((e >> 5) & {ks - 1})"
+    else:
+        mtile, kstep = f"((e >> 5) // {ks})", f"((e >> 5) % {ks})"
+    lines = ["qh = q[b, h]", f"for e in range(tid, BM * {2 * ks}, NT):",  # BM * DK / 4 quads
+             f"    r = {mtile} * 16 + ((e >> 2) & 7)", f"    c = {kstep} * 8 + 2 * (e & 3)",
+             "    at = (4 * e) & ALIGN4"]
+    for i, (dr, dc) in enumerate(((0, 0), (8, 0), (0, 1), (8, 1))):  # a0 .. a3
+        lines += ["    x = ZERO", f"    if r + {dr} < rows and c + {dc} < d:",
+                  f"        x = float32(qh[(q0 + r + {dr}) & ANY, (c + {dc}) & ANY]) * scale2"]
+        lines += ["    " + x for x in _split("x", "xb", "xl", once=True)]
+        lines += [f"    sm[at + {i}] = xb", f"    sm[QL_AT + at + {i}] = xl"]
+    return lines
 
 
 @functools.cache
@@ -380,11 +400,11 @@ def make_forward(d_pad, dv_pad, mods, mask=None, dropout=False):
     NKS, NJ, NVD = DKW // 8, BN // 8, DVW // 8  # a warp's k-steps of S, n-tiles of S and out
     # Row strides (floats), for conflict-free fragment loads: a half warp's 8-byte K loads
     # (rows g, dims 2t) need LDK = 8 (mod 32) words; a warp's V loads (rows 2t, dims g),
-    # LDV = 4 (mod 16). Q is stored in the MMA's fragment order (``q_quad_index``).
+    # LDV = 4 (mod 16). Q is stored in the MMA's fragment order (``load_q_lines``).
     LDK, LDV = DK + 8, DV + 4
     KS = DK // 8  # k-steps over all of Q's dims
     # Q's TF32 parts, split once for all key tiles: big at 0, small at QL_AT, each as quads
-    # (``q_quad_index``). (Split in every
+    # (``load_q_lines``). (Split in every
     # tile as K and V are, stop 21: 2-3 % slower at D = 64 and 128, log
     # bench/results/h200_q_presplit_stop22.txt. Both parts of a pair of dims side by side, one
     # 16-byte load where two blocks take two 8-byte loads, stop 24: the same speed within 0.5 %,
@@ -483,9 +503,7 @@ def make_forward(d_pad, dv_pad, mods, mask=None, dropout=False):
                 % ("0" if dynamic else "SIZE")],
         rows=mtile_rows(tags, SPLIT),
         fragments=fragments,
-        load_q=q_block_lines("; ".join(_split("{x}", "xb", "xl", once=True)
-                                       + ["at = " + q_quad_index("{r}", "{c}", KS),
-                                          "sm[at & ANY] = xb", "sm[(QL_AT + at) & ANY] = xl"])),
+        load_q=load_q_lines(KS),
         init=init,
         copy_first_k=copy_tile("K_AT", "kh", "d", DK, "LDK", "kb_lo * BN", 4, BN, NT, True, True),
         copy_next_k=copy_tile("K_AT", "kh", "d", DK, "LDK", "k0 + BN", 4, BN, NT, True, True),
