@@ -33,6 +33,8 @@ def run(script, *args):
     ("cpu_block_ab.py", ["--rounds", "0"], "--rounds must be at least 1"),
     ("cpu_block_ab.py", ["--rows", "64,50"], "--rows: each must be 0 or a multiple of"),
     ("cpu_accuracy.py", ["--seeds", "0"], "--seeds must be at least 1"),
+    ("cpu_kv_padding.py", ["--pads", "64,100"], "--pads: multiples of 64 bytes"),
+    ("cpu_kv_padding.py", ["--rounds", "0"], "--rounds must be at least 1"),
     ("cpu_accuracy.py", ["--peaked", "-1"], "--peaked must be 0 (off) or positive"),
     ("cpu_accuracy.py", ["--peaked", "nan"], "--peaked must be 0 (off) or positive"),
 ])
