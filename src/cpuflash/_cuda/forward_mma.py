@@ -19,18 +19,19 @@ a thread holds, in the MMA's accumulator layout, two rows (``g`` and ``g + 8``, 
         acc = alpha * acc + P V         # P straight from S's registers (see below)
     out = acc / l;  lse = ln(2) * (m + log2(l))
 
-Q is split into its TF32 parts once, as it is stored to shared memory (both parts kept); K, V
+Q is split into its TF32 parts once, as it is stored to shared memory (both parts kept, in
+the MMA's fragment order: one 16-byte load per A operand, ``load_q_lines``); K, V
 and P are split in registers, as each fragment is loaded. The k index of an MMA is a summation
 index, so any order of it serves if A and B agree: the kernel maps the MMA's ``k = t`` to
 element ``2t`` and ``k = t + 4`` to ``2t + 1`` of each group of 8 (dims in ``Q K^T``, keys in
 ``P V``). Then a thread's two neighbouring S values (``c0, c1`` of the accumulator) are exactly
 its A operands ``a0, a2`` of ``P V``, so P needs no shuffle and no shared memory, and the B
-operands of ``Q K^T`` (and the A operands) are neighbouring floats: one 8-byte load. Shared
-rows are padded (``make_forward``) so that the loads of a warp hit every bank once.
+operands of ``Q K^T`` are neighbouring floats: one 8-byte load. K and V rows in shared memory
+are padded (``make_forward``) so that the loads of a warp hit every bank once.
 
 Keys no row of the block sees are zero-filled (``copy_async16``), as ``forward.py`` loads them
 as zeros. At head dims past 32 the tiles (with Q's two parts) pass the static 48 KiB of shared
-memory and are sized at launch (81 KiB at 64, 93 KiB at 128; every GPU of compute capability
+memory and are sized at launch (73 KiB at 64, 89 KiB at 128; every GPU of compute capability
 8.0 or newer takes 99 KiB or more a block; two blocks a multiprocessor, as their registers
 allow, need the H100/H200's 228 KiB). Used for float32 with head dims up to 128 on such a GPU
 (``usable``); everything else, and the simulator, runs ``forward.py``.
