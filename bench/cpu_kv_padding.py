@@ -54,7 +54,8 @@ def main(argv=None):
             steps[f"pad {pad}"] = step
     finally:
         kvcache.k_row_length = chosen
-    layer = caches[0].nbytes
+    k_view, v_view, scales = caches[0].view(0)  # the unique K/V bytes a step reads
+    layer = k_view.nbytes + v_view.nbytes + sum(x.nbytes for x in scales.values())
     read, n_read = stream_reader(layer * len(caches))
     print(f"Hkv={a.kv_heads} Nk={a.keys} {a.dtype}, {len(caches)} layer(s) a step "
           f"({'hot' if a.hot else 'from DRAM'}); ms a layer (GB/s of K/V)")

@@ -60,9 +60,11 @@ def quantize_int8(x, *, name="x"):
 # 64 KiB) these are distinct, and the 512 bytes each row gives to a float32 chunk (256 float16,
 # 128 int8) take their own sets in every cache level. Costs 512 bytes a row at a power-of-two
 # ``max_len`` (0.4 % at 32768 float32 keys), at most 4 KiB. Measured on the Zen 4 (stop 34,
-# Hkv=2, Nk=32768, from DRAM, paddings side by side in one process, 12 rounds): a step 2-9 %
-# faster than with one 64-byte line of padding in every round (float32 1.09-1.50 ms against
-# 1.14-1.58, float16 0.73-0.76 against 0.76-0.81; 2112 bytes of padding as 512).
+# Hkv=2, Nk=32768, from DRAM, paddings side by side in one process, ``bench/cpu_kv_padding.py``):
+# against one 64-byte line of padding, a step 2-9 % faster in each of the first 12 rounds
+# (float32 1.09-1.50 ms against 1.14-1.58, float16 0.73-0.76 against 0.76-0.81), then -2 to
+# +7 % in 10 more (faster in 8; log bench/results/cpu_kv_padding_stop34.txt). 2112 bytes
+# (33 lines): -3 to +15 %, faster in 9 of those 10: as good, not clearly better.
 # Shorter rows: one 64-byte line (``K_ROW_PAD_BYTES``); with one line more per row the
 # rows step through the L1's sets one by one, which the tile product over all D rows of a chunk
 # needs (measured on Zen 3, keys in L2, ``bench/cpu_decode_steps.py``: 16-25 -> 8-12 ns per key).
