@@ -62,6 +62,15 @@ def assert_close_to_reference(out, ref, q, k, v, causal=False, scale=None, facto
 collect_ignore = [] if os.environ.get("CPUFLASH_CUDA_TESTS") else ["cuda"]
 
 
+def pytest_collection_modifyitems(session, config, items):
+    """The tests that wait for a background run (their module's ``RUNS``) go last: until then
+    this process runs the other tests while those runs compile on the other core."""
+    def waits(item):
+        return item.name in getattr(getattr(item, "module", None), "RUNS", {})
+
+    items.sort(key=waits)  # stable: the rest keep their order
+
+
 def pytest_collection_finish(session):
     """Start the background runs of the selected tests now: the CUDA runs of
     tests/test_cuda_path.py and the narrower host's kernels of tests/test_simd_shapes.py (see
