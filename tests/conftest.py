@@ -81,42 +81,6 @@ def pytest_collection_finish(session):
         start = getattr(getattr(item, "module", None), "start_in_background", None)
         if start is not None:
             start(item.name)
-    if len(session.items) >= WARM_UP_FROM:
-        warm_up_kernels()
-
-
-# Compiling is most of the suite's time (a kernel family takes 25-45 s, one core), and in this
-# process it happens one kernel at a time, the first time a test calls it, while the other
-# core has only the background runs above. A session of many tests first compiles the kernel
-# families into the on-disk cache in processes of their own, as many at once as there are
-# cores (the jobs of ``cpuflash warmup``, and the portable twins for the ``kernels`` fixture);
-# its tests then load them. A few tests need no warm-up: run alone, they compile what they use.
-WARM_UP_FROM = 100
-WARM_UP_JOBS = [(name, portable) for portable in (False, True)
-                for name in ("backward:float32", "backward:float64", "forward:float32",
-                             "forward:float64")] + [
-    (name, False) for name in ("decode:float32", "decode:float64", "decode-float16:float32",
-                               "decode-int8:float32")]
-
-
-def warm_up_kernels(jobs=WARM_UP_JOBS):
-    """Compile (or load, where cached) the kernels of ``jobs`` (``(warmup job, portable)``),
-    ``os.cpu_count()`` processes at a time; an AssertionError with its output if one fails."""
-    from concurrent.futures import ThreadPoolExecutor
-    import subprocess
-    import sys
-
-    code = "import sys; from cpuflash.warmup import run_job; run_job(sys.argv[1])"
-
-    def run(job):
-        name, portable = job
-        env = dict(os.environ, NUMBA_NUM_THREADS="1", CPUFLASH_PORTABLE="1" if portable else "0")
-        return subprocess.run([sys.executable, "-c", code, name], capture_output=True, text=True,
-                              env=env, timeout=900)
-
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        for job, done in zip(jobs, pool.map(run, jobs)):
-            assert done.returncode == 0, (job, done.stderr[-3000:])
 
 
 def pytest_sessionfinish(session):
