@@ -1,7 +1,10 @@
 import os
+import sys
 
 import numpy as np
 import pytest
+
+from background import BackgroundRuns
 
 from cpuflash import config
 
@@ -81,11 +84,35 @@ def pytest_collection_finish(session):
         start = getattr(getattr(item, "module", None), "start_in_background", None)
         if start is not None:
             start(item.name)
+    if len(session.items) >= WARM_UP_FROM:
+        _warm_up.start("warm-up", [sys.executable, "-c", WARM_UP.format(jobs=WARM_UP_JOBS)])
+
+
+# Compiling is most of this process's time (a kernel family takes 20-30 s, one core), one
+# family at a time, when a test first calls it. A session of many tests also compiles, in one
+# process in the background, the families that its tests reach only later (by the order of
+# tests/test_backward.py, then the other modules): by then they are in the on-disk cache, and
+# the tests load them. Where this process gets to one first, both compile it (the cache's
+# saves are locked: _cpu/_jit.py), which costs time, not correctness.
+WARM_UP_FROM = 100
+WARM_UP_JOBS = [("forward:float64", False), ("backward:float64", False),
+                ("forward:float64", True), ("backward:float64", True),
+                ("decode:float64", False), ("decode-float16:float32", False),
+                ("decode-int8:float32", False)]
+WARM_UP = """
+from cpuflash import config
+from cpuflash.warmup import run_job
+for name, portable in {jobs}:
+    config.PORTABLE = portable  # as the kernels fixture sets it
+    run_job(name)
+"""
+_warm_up = BackgroundRuns()
 
 
 def pytest_sessionfinish(session):
     """Kill the background runs that no test waited for (a session stopped early, by -x say),
-    in every module that has them."""
+    in every module that has them, and the warm-up if it still runs."""
+    _warm_up.stop_all()
     modules = {getattr(item, "module", None) for item in getattr(session, "items", [])}
     for module in modules:
         stop = getattr(module, "stop_all", None)
