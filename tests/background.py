@@ -9,10 +9,10 @@ import subprocess
 import tempfile
 
 # The session's own process runs most tests one after the other, on one core: it is the
-# longest chain of work, and a background run that took its core from it made the whole
-# session longer. Background runs start niced (10: about a tenth of a core's share against
-# the session's 0), so they take the other core and whatever the session leaves idle.
-BACKGROUND_NICE = 10
+# longest chain of work, and background runs that took its core from it made the whole
+# session longer. They start at the lowest priority (niceness 19), so they take the other
+# core and whatever the session leaves idle.
+BACKGROUND_NICE = 19
 
 
 class BackgroundRuns:

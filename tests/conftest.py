@@ -96,7 +96,7 @@ def pytest_collection_finish(session):
 # the tests load them. Where this process gets to one first, both compile it (the cache's
 # saves are locked: _cpu/_jit.py), which costs time, not correctness.
 WARM_UP_FROM = 100
-WARM_UP_NICE = 5  # ahead of the other background runs (10): this process soon needs its work
+WARM_UP_NICE = 0  # ahead of the other background runs (19): this process soon needs its work
 WARM_UP_JOBS = [("forward:float64", False), ("backward:float64", False),
                 ("forward:float64", True), ("backward:float64", True),
                 ("decode:float64", False), ("decode-float16:float32", False),
