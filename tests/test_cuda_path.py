@@ -14,15 +14,18 @@ ROOT = Path(__file__).resolve().parents[1]
 HAS_NUMBA_CUDA = importlib.util.find_spec("numba_cuda") is not None
 
 
-# Each CUDA run is a pytest session of its own that mostly compiles, on one core, as this
-# suite mostly does: started in the background as soon as the session knows it will run them
-# (conftest.py: pytest_collection_finish), they overlap with the rest of the suite on a
-# 2-core machine (measured: CI's suite 18.9 min with them in turn, of which 4.9 the simulator
-# and 2.9 the PTX compilation; 12.4-15.3 min overlapped). Their tests below wait for them.
+# Each CUDA run is a pytest session of its own that mostly compiles (PTX) or interprets (the
+# simulator), on one core: started in the background as soon as the session knows it will run
+# them (conftest.py: pytest_collection_finish), they take the other core of a 2-core machine
+# while this process runs the rest of the suite; their tests below wait for them, last. The
+# PTX compilations run as two halves (the tensor-core kernels, the rest: 1.5 min each on one
+# core), so that once this process is done both cores can work on them.
+PTX_ENV = {"CPUFLASH_PTX_QUICK": os.environ.get("CPUFLASH_PTX_QUICK", "1")}
 RUNS = {
     "test_cuda_simulator": (["tests/cuda/test_cuda.py"], {"NUMBA_ENABLE_CUDASIM": "1"}),
-    "test_cuda_ptx_sm90": (["tests/cuda/test_ptx.py"],
-                           {"CPUFLASH_PTX_QUICK": os.environ.get("CPUFLASH_PTX_QUICK", "1")}),
+    "test_cuda_ptx_sm90": (["tests/cuda/test_ptx.py", "-k", "not tensor_core"], PTX_ENV),
+    "test_cuda_ptx_sm90_tensor_cores": (["tests/cuda/test_ptx.py", "-k", "tensor_core"],
+                                        PTX_ENV),
 }
 _runs = BackgroundRuns()
 
@@ -55,6 +58,11 @@ def test_cuda_simulator():
 @pytest.mark.skipif(not HAS_NUMBA_CUDA, reason="numba-cuda is not installed")
 def test_cuda_ptx_sm90():
     _wait_for("test_cuda_ptx_sm90")
+
+
+@pytest.mark.skipif(not HAS_NUMBA_CUDA, reason="numba-cuda is not installed")
+def test_cuda_ptx_sm90_tensor_cores():
+    _wait_for("test_cuda_ptx_sm90_tensor_cores")
 
 
 def test_import_stays_light_and_cuda_error_says_what_to_install():
