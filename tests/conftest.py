@@ -99,8 +99,8 @@ WARM_UP_FROM = 100
 WARM_UP_NICE = 0  # ahead of the other background runs (19): this process soon needs its work
 WARM_UP_JOBS = [("forward:float64", False), ("backward:float64", False),
                 ("forward:float64", True), ("backward:float64", True),
-                ("decode-int8:float32", False), ("decode-float16:float32", False),
-                ("decode:float64", False)]
+                ("decode:float64", False), ("decode-int8:float32", False),
+                ("decode-float16:float32", False)]
 WARM_UP = """
 from cpuflash import config
 from cpuflash.warmup import run_job
