@@ -77,14 +77,16 @@ def pytest_collection_modifyitems(session, config, items):
 def pytest_collection_finish(session):
     """Start the background runs of the selected tests now: the CUDA runs of
     tests/test_cuda_path.py and the narrower host's kernels of tests/test_simd_shapes.py (see
-    RUNS in each: a module's ``start_in_background(test name)``)."""
+    RUNS in each: a module's ``start_in_background(test name)``), and the kernels' warm-up
+    where the session has many CPU tests (below)."""
     if session.config.option.collectonly:
         return
     for item in session.items:
         start = getattr(getattr(item, "module", None), "start_in_background", None)
         if start is not None:
             start(item.name)
-    if len(session.items) >= WARM_UP_FROM:
+    cpu_tests = [item for item in session.items if "cuda" not in item.path.parent.name]
+    if len(cpu_tests) >= WARM_UP_FROM:
         _warm_up.start("warm-up", [sys.executable, "-c", WARM_UP.format(jobs=WARM_UP_JOBS)],
                        nice=WARM_UP_NICE)
 
@@ -95,7 +97,7 @@ def pytest_collection_finish(session):
 # tests/test_backward.py, then the other modules): by then they are in the on-disk cache, and
 # the tests load them. Where this process gets to one first, both compile it (the cache's
 # saves are locked: _cpu/_jit.py), which costs time, not correctness.
-WARM_UP_FROM = 100
+WARM_UP_FROM = 100  # CPU tests (not those of tests/cuda, run on a GPU by hand)
 WARM_UP_NICE = 0  # ahead of the other background runs (19): this process soon needs its work
 WARM_UP_JOBS = [("forward:float64", False), ("backward:float64", False),
                 ("forward:float64", True), ("backward:float64", True),
