@@ -42,8 +42,28 @@ def run(script, args, monkeypatch):
     ("cpu_kv_padding.py", ["--rounds", "0"], "--rounds must be at least 1"),
     ("cpu_accuracy.py", ["--peaked", "-1"], "--peaked must be 0 (off) or positive"),
     ("cpu_accuracy.py", ["--peaked", "nan"], "--peaked must be 0 (off) or positive"),
+    ("cpu_profile.py", ["backward"], "argument case: invalid choice"),
+    ("cpu_profile.py", ["forward", "--threads", "0"], "--threads must be at least 1"),
+    ("cpu_profile.py", ["forward", "--seconds", "nan"], "--seconds must be positive"),
+    ("cpu_profile.py", ["decode", "--hkv", "3"], "--h (8) must be a multiple of --hkv (3)"),
 ])
 def test_bad_arguments(script, args, words, monkeypatch, capsys):
     status = run(script, args, monkeypatch)
     err = capsys.readouterr().err
     assert status == 2 and words in err, err
+
+
+def test_profile_names_and_shares(monkeypatch):
+    """cpu_profile's reading of Numba's symbols and its count of samples per function."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    from cpu_profile import python_name, share_table
+    assert python_name("_ZN8cpuflash4_cpu5tiles14online_softmaxB3v50B94c8tJT") == \
+        "cpuflash._cpu.tiles.online_softmax"
+    assert python_name("cpython._ZN8cpuflash4_cpu6decode6decodeB2v5") == \
+        "cpython.cpuflash._cpu.decode.decode"
+    assert python_name("_ZN13_3cdynamic_3e36__numba_parfor_gufunc_0x7f4c6a5f0cd0B3v73") == \
+        "<prange body>"
+    assert python_name("NRT_decref") == "NRT_decref"
+    counts, outside = share_table([5, 9, 10, 19, 20, 3000],
+                                  [(10, 10, "_ZN1b1fB"), (0, 10, "_ZN1a1gB")])
+    assert counts == {"a.g": 2, "b.f": 2} and outside == 2
