@@ -4,13 +4,16 @@ one case again and again; each sample's address is matched to the functions Numb
 cpuflash's kernels (their addresses from each kernel's code library), and the shares are printed.
 Only samples taken while the case runs count (the compile before it is left out).
 
-The child process compiles the kernels itself (``CPUFLASH_DISABLE_CACHE=1``: machine code that
-Numba loads from its cache cannot be listed): 20-60 s before the timed part. Needs ``perf``.
-Not collected by pytest.
+The child process compiles the kernels itself (``CPUFLASH_DISABLE_CACHE=1``: code that Numba
+loads from its cache comes without the IR that lists its functions): 20-60 s before the timed
+part. A function's address comes from the JIT, its size from the symbol table of the same
+optimized module emitted once more by Numba's target machine. Needs ``perf``. Not collected by
+pytest.
 
     python bench/cpu_profile.py forward [--n 2048] [--d 64] [--h 8] [--causal]
                                         [--threads 1] [--seconds 8]
-    python bench/cpu_profile.py decode [--nk 32768] [--hkv 2] [--threads 1] [--seconds 8]
+    python bench/cpu_profile.py decode [--nk 32768] [--hkv 2] [--layers 1] [--threads 1]
+                                       [--seconds 8]
 
 A function's share is of the samples in the timed part; "outside the kernels" is everything
 else in that time (Python, numpy, the thread pool's waits, the OS).
@@ -38,11 +41,14 @@ def parse(argv=None):
     p.add_argument("--causal", action="store_true", help="forward: causal")
     p.add_argument("--nk", type=int, default=32768, help="decode: keys in the cache")
     p.add_argument("--hkv", type=int, default=2, help="decode: key/value heads")
+    p.add_argument("--layers", type=int, default=1,
+                   help="decode: layers of cache called in turn (19: K/V from DRAM, as the "
+                        "decode benchmark's cold steps)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seconds", type=float, default=8.0, help="length of the timed part")
     p.add_argument("--child", help=argparse.SUPPRESS)  # the profiled process: symbols file
     a = p.parse_args(argv)
-    for name in ("n", "d", "h", "nk", "hkv", "threads"):
+    for name in ("n", "d", "h", "nk", "hkv", "layers", "threads"):
         if getattr(a, name) < 1:
             p.error(f"--{name} must be at least 1, got {getattr(a, name)}")
     if not a.seconds > 0:
@@ -88,6 +94,12 @@ def share_table(samples, symbols):
     return counts, outside
 
 
+def python_name_of(ip, symbols):
+    """The function of ``symbols`` (sorted ``(start, size, name)``) holding ``ip``, or None."""
+    i = bisect.bisect_right(symbols, (ip, float("inf"), "")) - 1
+    return symbols[i][2] if i >= 0 and ip < symbols[i][0] + symbols[i][1] else None
+
+
 def _case(a):
     """The zero-argument call to profile."""
     import numpy as np
@@ -97,34 +109,59 @@ def _case(a):
     if a.case == "forward":
         q, k, v = (rng.standard_normal((1, a.h, a.n, a.d), dtype=np.float32) for _ in range(3))
         return lambda: cpuflash.attention(q, k, v, causal=a.causal)
-    cache = cpuflash.KVCache(1, 1, a.hkv, a.nk, a.d)
-    cache.append(0, *(rng.standard_normal((1, a.hkv, a.nk, a.d), dtype=np.float32)
-                      for _ in range(2)))
+    cache = cpuflash.KVCache(a.layers, 1, a.hkv, a.nk, a.d)
+    kv = [rng.standard_normal((1, a.hkv, a.nk, a.d), dtype=np.float32) for _ in range(2)]
+    for layer in range(a.layers):
+        cache.append(layer, *kv)
     q = rng.standard_normal((1, a.h, 1, a.d), dtype=np.float32)
-    return lambda: cache.attention(0, q)
+
+    def step():
+        for layer in range(a.layers):
+            cache.attention(layer, q)
+    return step
+
+
+def elf_functions(obj):
+    """``(name, size)`` of the functions in the symbol table of an ELF64 little-endian object
+    file (the machine code Numba keeps of a library it compiled or loaded from its cache)."""
+    import struct
+    shoff, = struct.unpack_from("<Q", obj, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", obj, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", obj, shoff + i * shentsize)
+                for i in range(shnum)]
+    out = []
+    for sh in sections:
+        if sh[1] != 2:  # SHT_SYMTAB
+            continue
+        strtab = sections[sh[6]]
+        for off in range(sh[4], sh[4] + sh[5], 24):
+            st_name, st_info, _, _, _, st_size = struct.unpack_from("<IBBHQQ", obj, off)
+            if st_info & 0xF == 2 and st_size:  # STT_FUNC
+                start = strtab[4] + st_name
+                out.append((obj[start:obj.index(b"\0", start)].decode(), st_size))
+    return out
 
 
 def _kernel_symbols():
-    """``(start, size, name)`` of every function in the code libraries of the kernels compiled
-    in this process; a function's size runs to the next function's start (of any library)."""
+    """``(start, size, name)`` of every function in the machine code of the kernels compiled
+    in this process: the address from the JIT, the size from the symbol table of the same
+    optimized module emitted once more by Numba's own target machine."""
     import llvmlite.binding as llvm
 
     from cpuflash._cpu import _jit
-    starts = []
+    symbols = set()
     for module in [m for name, m in sys.modules.items() if name.startswith("cpuflash._cpu")]:
         for obj in vars(module).values():
             if not isinstance(obj, _jit.Kernel):
                 continue
             for overload in obj.compiler.overloads.values():
                 library = overload.library
-                for fn in llvm.parse_assembly(str(library.get_llvm_str())).functions:
-                    if not fn.is_declaration:
-                        address = library.get_pointer_to_function(fn.name)
-                        if address:
-                            starts.append((address, fn.name))
-    starts = sorted(set(starts))
-    ends = [s for s, _ in starts[1:]] + [starts[-1][0] + (1 << 16)] if starts else []
-    return [(s, e - s, n) for (s, n), e in zip(starts, ends)]
+                ir = llvm.parse_assembly(str(library.get_llvm_str()))
+                for name, size in elf_functions(library.codegen._tm.emit_object(ir)):
+                    address = library.get_pointer_to_function(name)
+                    if address:
+                        symbols.add((address, size, name))
+    return sorted(symbols)
 
 
 def child(a):
@@ -153,7 +190,7 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
         syms, data = os.path.join(tmp, "symbols.txt"), os.path.join(tmp, "perf.data")
         args = [x for x in (argv if argv is not None else sys.argv[1:])]
-        env = dict(os.environ, CPUFLASH_DISABLE_CACHE="1")
+        env = dict(os.environ, CPUFLASH_DISABLE_CACHE="1")  # code loaded from it has no IR
         subprocess.run(["perf", "record", "-q", "-k", "CLOCK_MONOTONIC", "-e", "cpu-clock",
                         "-F", "4000", "-o", data, "--", sys.executable, __file__, *args,
                         "--child", syms], env=env, check=True)
@@ -165,20 +202,25 @@ def main(argv=None):
             else:
                 start, size, name = line.split(maxsplit=2)
                 symbols.append((int(start, 16), int(size), name.strip()))
-        script = subprocess.run(["perf", "script", "-i", data, "-F", "time,ip"],
+        script = subprocess.run(["perf", "script", "-i", data, "-F", "time,ip,dso"],
                                 capture_output=True, text=True, check=True).stdout
-    samples = []
+    samples, objects = [], {}
     for line in script.splitlines():
         fields = line.replace(":", " ").split()
         if len(fields) >= 2 and window["start"] <= float(fields[0]) <= window["stop"]:
             samples.append(int(fields[1], 16))
+            objects[samples[-1]] = os.path.basename(fields[-1].strip("()"))
     counts, outside = share_table(samples, symbols)
+    inside = {ip for ip in samples if python_name_of(ip, symbols)}
+    elsewhere = collections.Counter(objects[ip] for ip in samples if ip not in inside)
     total = max(1, len(samples))
     print(f"{len(samples)} samples in the timed part")
     for name, n in counts.most_common():
         if n / total >= 0.001:
             print(f"{100 * n / total:6.1f} %  {name}")
-    print(f"{100 * outside / total:6.1f} %  outside the kernels")
+    print(f"{100 * outside / total:6.1f} %  outside the kernels, in:")
+    for name, n in elsewhere.most_common(6):
+        print(f"{100 * n / total:14.1f} %  {name}")
 
 
 if __name__ == "__main__":

@@ -130,3 +130,50 @@ def test_decode_bitwise_identical_across_threads():
     finally:
         cpuflash.set_num_threads(before)
     assert np.array_equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("dtype, cache", [(np.float32, np.float32), (np.float64, np.float64),
+                                          (np.float32, np.float16)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("scale", [None, 0.3])
+def test_plain_decode_call_skips_the_general_checks(dtype, cache, causal, scale, monkeypatch):
+    """A decode call with no option but causal and scale goes straight to the decode path
+    (api._plain_decode) and gives the general path's bits (asking for the lse takes that one)
+    and the reference's values."""
+    from cpuflash import api
+    q = rand((2, 4, 3, 32), seed=4).astype(dtype)
+    k, v = (rand((2, 2, 300, 32), seed=s).astype(cache) for s in (5, 6))
+    general, _ = cpuflash.attention(q, k, v, causal=causal, scale=scale, return_lse=True)
+
+    def no_general_path(*args, **kwargs):
+        raise AssertionError("the plain decode call took the general path")
+
+    monkeypatch.setattr(api, "run_forward", no_general_path)
+    plain = cpuflash.attention(q, k, v, causal=causal, scale=scale)
+    assert plain.dtype == dtype and plain.shape == (2, 4, 3, 32)
+    np.testing.assert_array_equal(plain, general)
+    ref = reference.attention(q, k.astype(dtype), v.astype(dtype), causal=causal, scale=scale)
+    np.testing.assert_allclose(plain, ref, rtol=0, atol=1e-12 if dtype == np.float64 else 2e-6)
+
+
+@pytest.mark.parametrize("change, error", [
+    (dict(q=lambda q: q[:, :3]), ValueError),          # Hq % Hkv != 0
+    (dict(k=lambda k: k[..., :16]), ValueError),       # head dims differ
+    (dict(k=lambda k: k.astype(np.float64)), TypeError),
+    (dict(q=lambda q: q.astype(np.float16)), TypeError),  # float16 q with float32 K/V
+    (dict(scale=float("nan")), ValueError),
+    (dict(scale=0.0), ValueError),
+    (dict(causal=1), TypeError),
+])
+def test_plain_decode_call_leaves_bad_input_to_the_checks(change, error):
+    """What the plain decode path does not take goes to the general checks, which name it."""
+    args = dict(q=rand((1, 4, 1, 32), seed=7), k=rand((1, 2, 64, 32), seed=8),
+                v=rand((1, 2, 64, 32), seed=9))
+    options = {}
+    for name, edit in change.items():
+        if name in args:
+            args[name] = edit(args[name])
+        else:
+            options[name] = edit
+    with pytest.raises(error):
+        cpuflash.attention(args["q"], args["k"], args["v"], **options)
