@@ -42,6 +42,8 @@ def run(script, args, monkeypatch):
     ("cpu_kv_padding.py", ["--rounds", "0"], "--rounds must be at least 1"),
     ("cpu_accuracy.py", ["--peaked", "-1"], "--peaked must be 0 (off) or positive"),
     ("cpu_accuracy.py", ["--peaked", "nan"], "--peaked must be 0 (off) or positive"),
+    ("cpu_decode_python.py", ["--layers", "0"], "--layers must be at least 1"),
+    ("cpu_decode_python.py", ["--hkv", "3"], "--hkv must divide the 8 query heads"),
     ("cpu_profile.py", ["backward"], "argument case: invalid choice"),
     ("cpu_profile.py", ["forward", "--threads", "0"], "--threads must be at least 1"),
     ("cpu_profile.py", ["forward", "--seconds", "nan"], "--seconds must be positive"),

@@ -1,0 +1,84 @@
+"""What the Python of a decode step costs from DRAM: one float32 step per layer of a
+``--layers`` deep KVCache (K/V from DRAM, as the decode benchmark's cold steps), in rounds in
+one process, through
+
+* ``plain``: ``cpuflash.attention(q, k, v)``, which takes the plain decode path (``api._plain_decode``),
+* ``general``: the same call with ``return_lse=True``, which takes the general checks,
+* ``kernel``: the decode kernel alone, called with the arguments the plain path gave it,
+
+and the streaming read of the same bytes (``_cpu/stream.py``). Medians of the rounds, ms a
+layer. A step runs right after its kernel has streamed K/V through every cache, so its
+Python runs from cold caches. Not collected by pytest.
+
+    python bench/cpu_decode_python.py [--nk 32768] [--hkv 2] [--layers 19] [--rounds 12]
+"""
+import argparse
+import time
+
+import numpy as np
+
+import cpuflash
+from cpuflash._cpu import decode
+from cpuflash._cpu.stream import stream_sum
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--nk", type=int, default=32768)
+    p.add_argument("--hkv", type=int, default=2)
+    p.add_argument("--layers", type=int, default=19)
+    p.add_argument("--rounds", type=int, default=12)
+    a = p.parse_args(argv)
+    for name in ("nk", "hkv", "layers", "rounds"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name} must be at least 1, got {getattr(a, name)}")
+    if 8 % a.hkv:
+        p.error(f"--hkv must divide the 8 query heads, got {a.hkv}")
+    return a
+
+
+def main(argv=None):
+    a = parse(argv)
+    rng = np.random.default_rng(0)
+    cache = cpuflash.KVCache(a.layers, 1, a.hkv, a.nk, 64)
+    kv = [rng.standard_normal((1, a.hkv, a.nk, 64), dtype=np.float32) for _ in range(2)]
+    for layer in range(a.layers):
+        cache.append(layer, *kv)
+    q = rng.standard_normal((1, 8, 1, 64), dtype=np.float32)
+    views = [cache.view(layer)[:2] for layer in range(a.layers)]
+    kernel_args = []
+    kernel = decode.decode
+    decode.decode = lambda *args: kernel_args.append(args) or kernel(*args)
+    try:
+        for k, v in views:
+            cpuflash.attention(q, k, v)
+    finally:
+        decode.decode = kernel
+    everything = np.concatenate([cache.k_t.reshape(-1), cache.v.reshape(-1)])
+    ways = {
+        "plain": lambda: [cpuflash.attention(q, k, v) for k, v in views],
+        "general": lambda: [cpuflash.attention(q, k, v, return_lse=True) for k, v in views],
+        "kernel": lambda: [kernel(*args) for args in kernel_args],
+        "stream": lambda: stream_sum(everything),
+    }
+    for way in ways.values():
+        way()
+    ms = {name: [] for name in ways}
+    for r in range(a.rounds):
+        for name, way in (list(ways.items()) if r % 2 == 0 else list(ways.items())[::-1]):
+            t0 = time.perf_counter()
+            way()
+            ms[name].append((time.perf_counter() - t0) / a.layers * 1e3)
+    stream = np.median(ms["stream"])
+    print(f"Hkv={a.hkv} Nk={a.nk} float32, {a.layers} layers in turn, {a.rounds} rounds")
+    for name, times in ms.items():
+        m = np.median(times)
+        print(f"{name:8s} {m:6.3f} ms a layer  {100 * stream / m:4.0f} % of the stream  "
+              f"[{' '.join(f'{t:.2f}' for t in times)}]")
+    gain = np.array(ms["general"]) - np.array(ms["plain"])
+    print(f"plain faster than general in {int((gain > 0).sum())} of {a.rounds} rounds, by "
+          f"{np.median(gain) * 1e3:.0f} us a layer (median)")
+
+
+if __name__ == "__main__":
+    main()
