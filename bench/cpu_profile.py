@@ -79,25 +79,25 @@ def python_name(symbol):
     return prefix.rstrip(".") + ("." if prefix.rstrip(".") else "") + name
 
 
-def share_table(samples, symbols):
-    """``{name: count}`` of the ``samples`` (addresses) that fall inside one of ``symbols``
-    (``(start, size, name)``, any order), and the count of those that fall outside all."""
-    symbols = sorted(symbols)
-    starts = [s for s, _, _ in symbols]
-    counts, outside = collections.Counter(), 0
-    for ip in samples:
-        i = bisect.bisect_right(starts, ip) - 1
-        if i >= 0 and ip < symbols[i][0] + symbols[i][1]:
-            counts[python_name(symbols[i][2])] += 1
-        else:
-            outside += 1
-    return counts, outside
-
-
-def python_name_of(ip, symbols):
-    """The function of ``symbols`` (sorted ``(start, size, name)``) holding ``ip``, or None."""
+def function_at(ip, symbols):
+    """The name of the function of ``symbols`` (sorted ``(start, size, name)``) that holds the
+    address ``ip``, or None."""
     i = bisect.bisect_right(symbols, (ip, float("inf"), "")) - 1
     return symbols[i][2] if i >= 0 and ip < symbols[i][0] + symbols[i][1] else None
+
+
+def share_table(samples, symbols):
+    """``{readable name: count}`` of the ``samples`` (addresses) inside one of ``symbols``
+    (``(start, size, name)``, any order), and the list of those outside all of them."""
+    symbols = sorted(symbols)
+    counts, outside = collections.Counter(), []
+    for ip in samples:
+        name = function_at(ip, symbols)
+        if name is None:
+            outside.append(ip)
+        else:
+            counts[python_name(name)] += 1
+    return counts, outside
 
 
 def _case(a):
@@ -189,7 +189,7 @@ def main(argv=None):
         sys.exit("cpu_profile: needs Linux perf (not found on PATH)")
     with tempfile.TemporaryDirectory() as tmp:
         syms, data = os.path.join(tmp, "symbols.txt"), os.path.join(tmp, "perf.data")
-        args = [x for x in (argv if argv is not None else sys.argv[1:])]
+        args = list(argv if argv is not None else sys.argv[1:])
         env = dict(os.environ, CPUFLASH_DISABLE_CACHE="1")  # code loaded from it has no IR
         subprocess.run(["perf", "record", "-q", "-k", "CLOCK_MONOTONIC", "-e", "cpu-clock",
                         "-F", "4000", "-o", data, "--", sys.executable, __file__, *args,
@@ -211,14 +211,13 @@ def main(argv=None):
             samples.append(int(fields[1], 16))
             objects[samples[-1]] = os.path.basename(fields[-1].strip("()"))
     counts, outside = share_table(samples, symbols)
-    inside = {ip for ip in samples if python_name_of(ip, symbols)}
-    elsewhere = collections.Counter(objects[ip] for ip in samples if ip not in inside)
+    elsewhere = collections.Counter(objects[ip] for ip in outside)
     total = max(1, len(samples))
     print(f"{len(samples)} samples in the timed part")
     for name, n in counts.most_common():
         if n / total >= 0.001:
             print(f"{100 * n / total:6.1f} %  {name}")
-    print(f"{100 * outside / total:6.1f} %  outside the kernels, in:")
+    print(f"{100 * len(outside) / total:6.1f} %  outside the kernels, in:")
     for name, n in elsewhere.most_common(6):
         print(f"{100 * n / total:14.1f} %  {name}")
 

@@ -1,6 +1,5 @@
 """The public calls: validate, apply defaults, dispatch to the kernels."""
 import functools
-import math
 
 import numpy as np
 import numba
@@ -107,8 +106,8 @@ def _plain_decode(q, k, v, causal, scale):
     ``bench/cpu_profile.py decode --layers 19``). This path takes only what the general checks
     accept as they stand: 4-D numpy q, k, v with q float32 or float64, k and v of q's dtype (or
     a float16 cache with float32 q), matching shapes with ``Hq % Hkv == 0``, 1 to ``MAX_NQ``
-    queries, at least one key, ``causal`` a bool, ``scale`` None or a finite nonzero float. It
-    runs the same kernel on the same arguments as the general path (the same bits)."""
+    queries, at least one key, ``causal`` a bool, ``scale`` None or a float. It runs the same
+    kernel on the same arguments as the general path (the same bits)."""
     if not (type(q) is np.ndarray and type(k) is np.ndarray and type(v) is np.ndarray
             and q.ndim == 4 and k.ndim == 4 and v.ndim == 4 and not config.PORTABLE
             and (causal is True or causal is False)):
@@ -121,11 +120,11 @@ def _plain_decode(q, k, v, causal, scale):
             and (dtype == np.float32 or dtype == np.float64) and k.dtype == v.dtype
             and (k.dtype == dtype or (k.dtype == np.float16 and dtype == np.float32))):
         return None
-    if scale is None:
-        scale = 1.0 / math.sqrt(d)  # as _checks.scale
-    elif not (type(scale) is float and math.isfinite(scale) and scale != 0.0):
+    if not (scale is None or type(scale) is float):
         return None
-    decoded = run_decode(q, k, v, scale, masks.band(causal, None, None, n_b, n_k),
+    # Everything else is valid here, so a NaN or zero scale raises what the general path would.
+    decoded = run_decode(q, k, v, _checks.scale(scale, d),
+                         masks.band(causal, None, None, n_b, n_k),
                          masks.modifiers(None, None, n_b, n_hq),
                          masks.UserMask(None, n_b, n_hq, n_q, n_k, dtype), (0, 0))
     return None if decoded is None else decoded[0]
