@@ -95,16 +95,19 @@ class UserMask:
     it: ``bools`` and ``adds``, (B, Hq, Nq, Nk) views by stride-0 broadcasting (never a dense
     copy): a bool mask as its uint8 bytes (0/1) in ``bools``, a float mask in the compute
     dtype in ``adds``, the other a 1-element stand-in; ``is_bool`` says which one holds it;
-    and ``tile_states(block_q, block_k)``. With no mask: a 1-element all-True ``bools``,
-    ``None`` states (every tile CLEAR). Two arrays of fixed dtypes, so that the kernels are
-    compiled once for either kind of mask (``_cpu/_jit.Kernel``)."""
+    and ``tile_states(block_q, block_k)``. With no mask: 1-element stand-ins (an all-True
+    ``bools``), whatever the shape, and every tile CLEAR: no kernel reads a mask array, nor its
+    shape, outside a MIXED tile (a new full-shape view for every length of a growing KV cache
+    cost a decode step 60-95 us of Python from cold caches, stop 36). Two arrays of fixed
+    dtypes, so that the kernels are compiled once for either kind of mask
+    (``_cpu/_jit.Kernel``)."""
 
     def __init__(self, mask, n_b, n_hq, n_q, n_k, compute_dtype):
         self.shape = (n_b, n_hq, n_q, n_k)
         self.given = mask is not None
-        if not self.given:  # the same read-only views for every call of a shape
-            self.raw, self.is_bool, self.bools = _NO_MASK, True, _no_mask_view(self.shape)
-            self.adds = _no_adds(self.shape, np.dtype(compute_dtype))
+        if not self.given:  # the same read-only stand-ins for every call
+            self.raw, self.is_bool, self.bools = _NO_MASK, True, _NO_MASK_BYTES
+            self.adds = _no_adds((1, 1, 1, 1), np.dtype(compute_dtype))
             return
         self.raw = _mask_4d(mask, self.shape, compute_dtype)
         self.is_bool = self.raw.dtype == np.bool_
@@ -137,6 +140,7 @@ class UserMask:
 
 _NO_MASK = np.ones((1, 1, 1, 1), dtype=bool)
 _NO_MASK.flags.writeable = False
+_NO_MASK_BYTES = _NO_MASK.view(np.uint8)
 
 
 # Read-only arrays that depend on the shape only, made once per shape: a decode step runs
