@@ -8,11 +8,15 @@ one process, through
 
 and the streaming read of the same bytes (``_cpu/stream.py``). Medians of the rounds, ms a
 layer. A step runs right after its kernel has streamed K/V through every cache, so its
-Python runs from cold caches. Not collected by pytest.
+Python runs from cold caches. ``--grow``: every call sees one key fewer than the one before
+(a new length each step, as a growing cache; the kernel alone keeps the first calls' length).
+Not collected by pytest.
 
     python bench/cpu_decode_python.py [--nk 32768] [--hkv 2] [--layers 19] [--rounds 12]
+                                      [--grow]
 """
 import argparse
+import itertools
 import time
 
 import numpy as np
@@ -28,10 +32,13 @@ def parse(argv=None):
     p.add_argument("--hkv", type=int, default=2)
     p.add_argument("--layers", type=int, default=19)
     p.add_argument("--rounds", type=int, default=12)
+    p.add_argument("--grow", action="store_true", help="a new cache length every call")
     a = p.parse_args(argv)
     for name in ("nk", "hkv", "layers", "rounds"):
         if getattr(a, name) < 1:
             p.error(f"--{name} must be at least 1, got {getattr(a, name)}")
+    if a.grow and a.nk < 2:
+        p.error(f"--grow needs --nk of at least 2, got {a.nk}")
     if 8 % a.hkv:
         p.error(f"--hkv must divide the 8 query heads, got {a.hkv}")
     return a
@@ -55,9 +62,18 @@ def main(argv=None):
     finally:
         decode.decode = kernel
     everything = np.concatenate([cache.k_t.reshape(-1), cache.v.reshape(-1)])
+    shorter = itertools.count(1)
+
+    def now(k, v):  # the cache as this call sees it
+        if not a.grow:
+            return k, v
+        n = a.nk - next(shorter) % (a.nk // 2)
+        return k[:, :, :n], v[:, :, :n]
+
     ways = {
-        "plain": lambda: [cpuflash.attention(q, k, v) for k, v in views],
-        "general": lambda: [cpuflash.attention(q, k, v, return_lse=True) for k, v in views],
+        "plain": lambda: [cpuflash.attention(q, *now(k, v)) for k, v in views],
+        "general": lambda: [cpuflash.attention(q, *now(k, v), return_lse=True)
+                            for k, v in views],
         "kernel": lambda: [kernel(*args) for args in kernel_args],
         "stream": lambda: stream_sum(everything),
     }
@@ -70,7 +86,8 @@ def main(argv=None):
             way()
             ms[name].append((time.perf_counter() - t0) / a.layers * 1e3)
     stream = np.median(ms["stream"])
-    print(f"Hkv={a.hkv} Nk={a.nk} float32, {a.layers} layers in turn, {a.rounds} rounds")
+    print(f"Hkv={a.hkv} Nk={a.nk} float32, {a.layers} layers in turn, {a.rounds} rounds"
+          + (", a new length every call" if a.grow else ""))
     for name, times in ms.items():
         m = np.median(times)
         print(f"{name:8s} {m:6.3f} ms a layer  {100 * stream / m:4.0f} % of the stream  "

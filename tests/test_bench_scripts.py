@@ -44,6 +44,7 @@ def run(script, args, monkeypatch):
     ("cpu_accuracy.py", ["--peaked", "nan"], "--peaked must be 0 (off) or positive"),
     ("cpu_decode_python.py", ["--layers", "0"], "--layers must be at least 1"),
     ("cpu_decode_python.py", ["--hkv", "3"], "--hkv must divide the 8 query heads"),
+    ("cpu_decode_python.py", ["--grow", "--nk", "1"], "--grow needs --nk of at least 2"),
     ("cpu_profile.py", ["backward"], "argument case: invalid choice"),
     ("cpu_profile.py", ["forward", "--threads", "0"], "--threads must be at least 1"),
     ("cpu_profile.py", ["forward", "--seconds", "nan"], "--seconds must be positive"),
