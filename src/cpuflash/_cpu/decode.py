@@ -88,6 +88,17 @@ def split_count(n_b, n_hkv, n_k):
 
 
 @helper
+def span_of(x):
+    """A 1-D view from the first element of the 4-D ``x`` over all of it (its strides
+    non-negative whole elements: checked by the caller, ``element_strides``)."""
+    item = x.itemsize
+    span = 1
+    for axis in range(4):
+        span += (x.shape[axis] - 1) * (x.strides[axis] // item)
+    return as_strided(x, shape=(span,), strides=(item,))
+
+
+@helper
 def dot_rows(q_s, q_off, kf, k_off, d, d_vec):
     """``q_s[q_off:q_off+d] . kf[k_off:k_off+d]``: vectors up to ``d_vec``, then scalars."""
     acc = simd.vsplat(q_s, 0.0)
@@ -245,15 +256,16 @@ def combine_row(m_part, l_part, acc_part, out, lse, b, h, i):
     lse[b, h, i] = (m + np.log2(total)) * LN2
 
 
-@kernel(strided=("q", "mask_bools", "mask_adds"), read_only=("kv_lens", "slopes2"))
-def decode(q, kf, k_strides, k_storage, prefetch, vf, v_strides, k_scale, ks_strides, v_scale,
+@kernel(strided=("q", "k", "v", "mask_bools", "mask_adds"), read_only=("kv_lens", "slopes2"))
+def decode(q, k, k_strides, k_storage, prefetch, v, v_strides, k_scale, ks_strides, v_scale,
            vs_strides, n_hkv, n_k, d, dv, n_splits, scale2, left, right, kv_lens, softcap2,
            slopes2, mask_bools, mask_adds, mask_is_bool, mask_given, drop_below, seed, m_part,
            l_part, acc_part, out, lse, serial_merge):
-    """q: (B, Hq, Nq, D) any strides, compute dtype. kf, vf: 1-D views from the first element
-    of K and V in their storage type (the compute dtype, float16 bits as uint16, or int8);
-    element (b, h, j, c) is at ``b*s0 + h*s1 + j*s2 + c*s3`` with ``k_strides = (s0, s1, s2,
-    s3)``: ``s3 = 1`` (rows of K contiguous, scores by ``vdot_keys``) or ``s2 = 1`` (K
+    """q: (B, Hq, Nq, D) any strides, compute dtype. k, v: (B, Hkv, Nk, D / Dv) in their
+    storage type (the compute dtype, float16 bits as uint16, or int8), read through 1-D views
+    ``kf``, ``vf`` from their first elements (``span_of``: made here, not by a Python call per
+    step); element (b, h, j, c) is at ``b*s0 + h*s1 + j*s2 + c*s3`` with ``k_strides = (s0, s1,
+    s2, s3)`` (``element_strides``): ``s3 = 1`` (rows of K contiguous, scores by ``vdot_keys``) or ``s2 = 1`` (K
     transposed, keys contiguous, scores by the tile product); ``v_strides`` likewise with
     ``s3 = 1``. ``k_storage``: whether K is in a storage type (not the compute dtype).
     ``prefetch``: whether the tile products hint K^T and V ``AHEAD`` chunks ahead (and K^T
@@ -268,6 +280,7 @@ def decode(q, kf, k_strides, k_storage, prefetch, vf, v_strides, k_scale, ks_str
     on this thread if ``serial_merge``, else spread over the threads (the same arithmetic per
     row either way)."""
     n_b, n_hq, n_q, _ = q.shape
+    kf, vf = span_of(k), span_of(v)
     group = n_hq // n_hkv
     rows = group * n_q
     lanes = simd.lanes_of(m_part)
@@ -395,21 +408,15 @@ def decode(q, kf, k_strides, k_storage, prefetch, vf, v_strides, k_scale, ks_str
 
 @kernel(strided=("x",), parallel=False)
 def _span_view(x):
-    """A 1-D view from the first element of the 4-D ``x`` over all of it, and its strides in
-    elements (non-negative whole elements: checked by the caller). Made here rather than by
-    numpy's as_strided: 1 us, not 6, of a decode step's 40 us of Python."""
-    item = x.itemsize
-    s0, s1 = x.strides[0] // item, x.strides[1] // item
-    s2, s3 = x.strides[2] // item, x.strides[3] // item
-    span = (1 + (x.shape[0] - 1) * s0 + (x.shape[1] - 1) * s1 + (x.shape[2] - 1) * s2
-            + (x.shape[3] - 1) * s3)
-    return as_strided(x, shape=(span,), strides=(item,)), (s0, s1, s2, s3)
+    """``span_of(x)`` for Python (the int8 scales' views): 1 us, not numpy's as_strided's 6."""
+    return span_of(x)
 
 
-def _flat_view(x, unit_axes=(3,)):
-    """A read-only 1-D view from ``x``'s first element over all of it, and its 4 strides in
-    elements; None unless one of ``unit_axes`` is unit-stride (or of length 1; the first such
-    one is reported as stride 1) and the other strides are non-negative whole elements."""
+def element_strides(x, unit_axes=(3,)):
+    """The 4 strides of the 4-D ``x`` in elements, as the decode kernel reads it from its first
+    element (``span_of``); None unless one of ``unit_axes`` is unit-stride (or of length 1; the
+    first such one is reported as stride 1) and the other strides are non-negative whole
+    elements. Plain Python on the strides' tuple: no numpy call (see ``run_decode``)."""
     item = x.itemsize
     st = x.strides
     for unit_axis in unit_axes:
@@ -419,10 +426,20 @@ def _flat_view(x, unit_axes=(3,)):
         return None
     if min(st) < 0 or (st[0] | st[1] | st[2] | st[3]) % item:  # itemsize: a power of two
         return None
-    flat, steps = _span_view(x)
-    flat.flags.writeable = False  # one array type for the kernel, whatever x's flags
+    steps = (st[0] // item, st[1] // item, st[2] // item, st[3] // item)
     if x.shape[unit_axis] <= 1:
         steps = steps[:unit_axis] + (1,) + steps[unit_axis + 1:]
+    return steps
+
+
+def _flat_view(x, unit_axes=(3,)):
+    """A read-only 1-D view from ``x``'s first element over all of it, and its strides in
+    elements (``element_strides``), or None."""
+    steps = element_strides(x, unit_axes)
+    if steps is None:
+        return None
+    flat = _span_view(x)
+    flat.flags.writeable = False  # one array type for the kernel, whatever x's flags
     return flat, steps
 
 
@@ -453,11 +470,11 @@ def run_decode(q, k, v, scale, band, mods, user_mask, drop, out=None, kv_scales=
     n_hkv, n_k, dv = v.shape[1], v.shape[2], v.shape[3]
     if n_q > MAX_NQ or n_k == 0 or q.size == 0 or v.size == 0:
         return None
-    k_store = _storage_view(k)
+    k_store, v_store = _storage_view(k), _storage_view(v)
     # K with unit-stride rows, or transposed (unit-stride keys: KVCache's layout)
-    k_view = _flat_view(k_store, unit_axes=(3, 2))
-    v_view = _flat_view(_storage_view(v))
-    if k_view is None or v_view is None:
+    k_steps = element_strides(k_store, unit_axes=(3, 2))
+    v_steps = element_strides(v_store)
+    if k_steps is None or v_steps is None:
         return None
     dtype = q.dtype
     if kv_scales is None:
@@ -475,7 +492,7 @@ def run_decode(q, k, v, scale, band, mods, user_mask, drop, out=None, kv_scales=
         out = np.empty((n_b, n_hq, n_q, dv), dtype=dtype)
     if lse is None:
         lse = np.empty((n_b, n_hq, n_q), dtype=dtype)
-    decode(q, k_view[0], k_view[1], k.dtype != dtype, PREFETCH, v_view[0], v_view[1], k_scale,
+    decode(q, k_store, k_steps, k.dtype != dtype, PREFETCH, v_store, v_steps, k_scale,
            ks_strides, v_scale, vs_strides, n_hkv, n_k, d, dv, n_splits, scale * LOG2_E, left,
            right, kv_lens, softcap2, slopes2, *user_mask.kernel_args(), user_mask.given,
            drop[0], drop[1], m_part, l_part, acc_part, out, lse,
