@@ -2,7 +2,8 @@
 ``--layers`` deep KVCache (K/V from DRAM, as the decode benchmark's cold steps), in rounds in
 one process, through
 
-* ``plain``: ``cpuflash.attention(q, k, v)``, which takes the plain decode path (``api._plain_decode``),
+* ``plain``: ``cpuflash.attention(q, k, v)``, which takes the plain decode path
+  (``api._plain_decode``),
 * ``general``: the same call with ``return_lse=True``, which takes the general checks,
 * ``kernel``: the decode kernel alone, called with the arguments the plain path gave it,
 

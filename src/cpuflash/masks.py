@@ -97,8 +97,8 @@ class UserMask:
     dtype in ``adds``, the other a 1-element stand-in; ``is_bool`` says which one holds it;
     and ``tile_states(block_q, block_k)``. With no mask: 1-element stand-ins (an all-True
     ``bools``), whatever the shape, and every tile CLEAR: no kernel reads a mask array, nor its
-    shape, outside a MIXED tile (a new full-shape view for every length of a growing KV cache
-    cost a decode step 60-95 us of Python from cold caches, stop 36). Two arrays of fixed
+    shape, outside a MIXED tile (two new full-shape views for every length of a growing KV cache
+    cost a decode step about 60 us of Python from cold caches, stop 36). Two arrays of fixed
     dtypes, so that the kernels are compiled once for either kind of mask
     (``_cpu/_jit.Kernel``)."""
 

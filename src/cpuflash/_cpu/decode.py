@@ -265,11 +265,11 @@ def decode(q, k, k_strides, k_storage, prefetch, v, v_strides, k_scale, ks_strid
     storage type (the compute dtype, float16 bits as uint16, or int8), read through 1-D views
     ``kf``, ``vf`` from their first elements (``span_of``: made here, not by a Python call per
     step); element (b, h, j, c) is at ``b*s0 + h*s1 + j*s2 + c*s3`` with ``k_strides = (s0, s1,
-    s2, s3)`` (``element_strides``): ``s3 = 1`` (rows of K contiguous, scores by ``vdot_keys``) or ``s2 = 1`` (K
-    transposed, keys contiguous, scores by the tile product); ``v_strides`` likewise with
-    ``s3 = 1``. ``k_storage``: whether K is in a storage type (not the compute dtype).
-    ``prefetch``: whether the tile products hint K^T and V ``AHEAD`` chunks ahead (and K^T
-    is hinted ``HINT_BLOCK`` keys ahead).
+    s2, s3)`` (``element_strides``): ``s3 = 1`` (rows of K contiguous, scores by
+    ``vdot_keys``) or ``s2 = 1`` (K transposed, keys contiguous, scores by the tile product);
+    ``v_strides`` likewise with ``s3 = 1``. ``k_storage``: whether K is in a storage type (not
+    the compute dtype). ``prefetch``: whether the tile products hint K^T and V ``AHEAD``
+    chunks ahead (and K^T is hinted ``HINT_BLOCK`` keys ahead).
     k_scale, v_scale: int8 dequantization scales, 1-D views with strides ``ks_strides``,
     ``vs_strides`` over (b, h, j) (``K = kf * k_scale``), or empty arrays when K/V are floats.
     left, right, kv_lens: the band of keys each row sees (masking.py); the splits divide the
