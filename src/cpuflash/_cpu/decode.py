@@ -90,10 +90,11 @@ def split_count(n_b, n_hkv, n_k):
 @helper
 def span_of(x):
     """A 1-D view from the first element of the 4-D ``x`` over all of it (its strides
-    non-negative whole elements: checked by the caller, ``element_strides``)."""
+    non-negative whole elements: checked by the caller, ``element_strides``); empty if ``x``
+    is."""
     item = x.itemsize
-    span = 1
-    for axis in range(4):
+    span = 1 if x.size > 0 else 0
+    for axis in range(4 if x.size > 0 else 0):
         span += (x.shape[axis] - 1) * (x.strides[axis] // item)
     return as_strided(x, shape=(span,), strides=(item,))
 
@@ -256,9 +257,10 @@ def combine_row(m_part, l_part, acc_part, out, lse, b, h, i):
     lse[b, h, i] = (m + np.log2(total)) * LN2
 
 
-@kernel(strided=("q", "k", "v", "mask_bools", "mask_adds"), read_only=("kv_lens", "slopes2"))
-def decode(q, k, k_strides, k_storage, prefetch, v, v_strides, k_scale, ks_strides, v_scale,
-           vs_strides, n_hkv, n_k, d, dv, n_splits, scale2, left, right, kv_lens, softcap2,
+@kernel(strided=("q", "k", "v", "k_scale_4", "v_scale_4", "mask_bools", "mask_adds"),
+        read_only=("kv_lens", "slopes2"))
+def decode(q, k, k_strides, k_storage, prefetch, v, v_strides, k_scale_4, ks_strides,
+           v_scale_4, vs_strides, n_hkv, n_k, d, dv, n_splits, scale2, left, right, kv_lens, softcap2,
            slopes2, mask_bools, mask_adds, mask_is_bool, mask_given, drop_below, seed, m_part,
            l_part, acc_part, out, lse, serial_merge):
     """q: (B, Hq, Nq, D) any strides, compute dtype. k, v: (B, Hkv, Nk, D / Dv) in their
@@ -270,8 +272,9 @@ def decode(q, k, k_strides, k_storage, prefetch, v, v_strides, k_scale, ks_strid
     ``v_strides`` likewise with ``s3 = 1``. ``k_storage``: whether K is in a storage type (not
     the compute dtype). ``prefetch``: whether the tile products hint K^T and V ``AHEAD``
     chunks ahead (and K^T is hinted ``HINT_BLOCK`` keys ahead).
-    k_scale, v_scale: int8 dequantization scales, 1-D views with strides ``ks_strides``,
-    ``vs_strides`` over (b, h, j) (``K = kf * k_scale``), or empty arrays when K/V are floats.
+    k_scale, v_scale: int8 dequantization scales as (B, Hkv, Nk, 1), read as K and V are, with
+    strides ``ks_strides``, ``vs_strides`` over (b, h, j) (``K = kf * k_scale``), or empty
+    arrays when K/V are floats.
     left, right, kv_lens: the band of keys each row sees (masking.py); the splits divide the
     array's ``n_k`` keys, and keys outside a row's band are never read.
     Writes per split: m_part, l_part (n_splits, B, Hq, Nq) and acc_part (..., Dv); then merges
@@ -281,6 +284,7 @@ def decode(q, k, k_strides, k_storage, prefetch, v, v_strides, k_scale, ks_strid
     row either way)."""
     n_b, n_hq, n_q, _ = q.shape
     kf, vf = span_of(k), span_of(v)
+    k_scale, v_scale = span_of(k_scale_4), span_of(v_scale_4)
     group = n_hq // n_hkv
     rows = group * n_q
     lanes = simd.lanes_of(m_part)
@@ -406,12 +410,6 @@ def decode(q, k, k_strides, k_storage, prefetch, v, v_strides, k_scale, ks_strid
             combine_row(m_part, l_part, acc_part, out, lse, b, h, i)
 
 
-@kernel(strided=("x",), parallel=False)
-def _span_view(x):
-    """``span_of(x)`` for Python (the int8 scales' views): 1 us, not numpy's as_strided's 6."""
-    return span_of(x)
-
-
 def element_strides(x, unit_axes=(3,)):
     """The 4 strides of the 4-D ``x`` in elements, as the decode kernel reads it from its first
     element (``span_of``); None unless one of ``unit_axes`` is unit-stride (or of length 1; the
@@ -432,21 +430,22 @@ def element_strides(x, unit_axes=(3,)):
     return steps
 
 
-def _flat_view(x, unit_axes=(3,)):
-    """A read-only 1-D view from ``x``'s first element over all of it, and its strides in
-    elements (``element_strides``), or None."""
-    steps = element_strides(x, unit_axes)
-    if steps is None:
-        return None
-    flat = _span_view(x)
-    flat.flags.writeable = False  # one array type for the kernel, whatever x's flags
-    return flat, steps
-
-
 @functools.lru_cache(maxsize=4)
 def _no_scales(dtype):
-    """The int8 scales' stand-in for float K/V: an empty array and strides."""
-    return np.empty(0, dtype=dtype), (0, 0, 0)
+    """The int8 scales' stand-in for float K/V: an empty 4-D array and strides."""
+    return np.empty((0, 0, 0, 1), dtype=dtype), (0, 0, 0)
+
+
+def _scales_4d(x):
+    """An int8 cache's scales (B, Hkv, Nk) as the kernel reads them: (B, Hkv, Nk, 1) and their
+    strides in elements over (b, h, j); copied first only where they are not whole-element
+    non-negative strides."""
+    x4 = x[..., None]
+    steps = element_strides(x4)
+    if steps is None:
+        x4 = np.ascontiguousarray(x)[..., None]
+        steps = element_strides(x4)
+    return x4, steps[:3]
 
 
 def _storage_view(x):
@@ -480,10 +479,7 @@ def run_decode(q, k, v, scale, band, mods, user_mask, drop, out=None, kv_scales=
     if kv_scales is None:
         (k_scale, ks_strides), (v_scale, vs_strides) = (_no_scales(dtype),) * 2
     else:  # read in place, as K and V (a trailing unit axis stands in for the head dim)
-        (k_scale, ks_strides), (v_scale, vs_strides) = (
-            _flat_view(x[..., None]) or _flat_view(np.ascontiguousarray(x)[..., None])
-            for x in kv_scales)
-        ks_strides, vs_strides = ks_strides[:3], vs_strides[:3]
+        (k_scale, ks_strides), (v_scale, vs_strides) = (_scales_4d(x) for x in kv_scales)
     n_splits = split_count(n_b, n_hkv, n_k)
     m_part = np.empty((n_splits, n_b, n_hq, n_q), dtype=dtype)
     l_part = np.empty((n_splits, n_b, n_hq, n_q), dtype=dtype)
