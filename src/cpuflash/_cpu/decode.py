@@ -260,9 +260,9 @@ def combine_row(m_part, l_part, acc_part, out, lse, b, h, i):
 @kernel(strided=("q", "k", "v", "k_scale_4", "v_scale_4", "mask_bools", "mask_adds"),
         read_only=("kv_lens", "slopes2"))
 def decode(q, k, k_strides, k_storage, prefetch, v, v_strides, k_scale_4, ks_strides,
-           v_scale_4, vs_strides, n_hkv, n_k, d, dv, n_splits, scale2, left, right, kv_lens, softcap2,
-           slopes2, mask_bools, mask_adds, mask_is_bool, mask_given, drop_below, seed, m_part,
-           l_part, acc_part, out, lse, serial_merge):
+           v_scale_4, vs_strides, n_hkv, n_k, d, dv, n_splits, scale2, left, right, kv_lens,
+           softcap2, slopes2, mask_bools, mask_adds, mask_is_bool, mask_given, drop_below, seed,
+           m_part, l_part, acc_part, out, lse, serial_merge):
     """q: (B, Hq, Nq, D) any strides, compute dtype. k, v: (B, Hkv, Nk, D / Dv) in their
     storage type (the compute dtype, float16 bits as uint16, or int8), read through 1-D views
     ``kf``, ``vf`` from their first elements (``span_of``: made here, not by a Python call per
