@@ -119,15 +119,19 @@ def test_quantize_int8_round_trip():
         cpuflash.quantize_int8(np.array([[1.0, np.nan]], np.float32))
 
 
-def test_append_is_in_place_and_views_share_storage():
+def test_append_is_in_place_and_view_gives_the_keys():
+    """Appends write the storage in place; ``view`` gives K as an array (a copy out of the
+    blocks), V and the scales as views of the storage."""
     cache = cpuflash.KVCache(2, 1, 2, 16, D)
-    k_store = cache.k_t
+    k_store = cache.k_blocks
     cache.append(0, rand((1, 2, 5, D), seed=1), rand((1, 2, 5, D), seed=2))
     cache.append(0, rand((1, 2, 3, D), seed=3), rand((1, 2, 3, D), seed=4))
-    assert cache.k_t is k_store and list(cache.lengths) == [8, 0]
+    assert cache.k_blocks is k_store and list(cache.lengths) == [8, 0]
     k, v, scales = cache.view(0)
-    assert k.shape == (1, 2, 8, D) and np.shares_memory(k, cache.k_t) and scales == {}
+    assert k.shape == (1, 2, 8, D) and not np.shares_memory(k, cache.k_blocks)
+    assert np.shares_memory(v, cache.v) and scales == {}
     np.testing.assert_array_equal(k[:, :, 5:], rand((1, 2, 3, D), seed=3))
+    np.testing.assert_array_equal(v[:, :, :5], rand((1, 2, 5, D), seed=2))
     cache.reset()
     assert list(cache.lengths) == [0, 0]
 
@@ -136,45 +140,72 @@ def test_storage_starts_on_a_cache_line():
     """K/V rows are whole AVX-512 vectors that never straddle two cache lines."""
     for dtype in (np.float32, np.float16, np.int8):
         cache = cpuflash.KVCache(2, 1, 2, 1000, D, dtype=dtype)
-        for x in (cache.k_t, cache.v):
+        for x in (cache.k_blocks, cache.v):
             assert x.ctypes.data % 64 == 0 and x.flags.c_contiguous and not x.any()
 
 
-@pytest.mark.parametrize("max_len", [1024, 1100, 4096, 32768])
-@pytest.mark.parametrize("itemsize", [8, 4, 2, 1])
-def test_long_k_rows_take_their_own_cache_sets(max_len, itemsize):
-    """Rows of K^T of 4 KiB or more are padded to 512 bytes past a multiple of 4 KiB, so that
-    the 512 bytes a chunk reads from each of 128 rows land in distinct 512-byte slots of a
-    64 KiB cache way (and 256 rows in a 128 KiB one): no two rows meet in a cache set."""
-    row = cpuflash.kvcache.k_row_length(max_len, itemsize)
-    stride = row * itemsize
-    if max_len * itemsize < 4096:
-        assert row == max_len + 64 // itemsize
-        return
-    assert row >= max_len and stride % 4096 == 512 and stride - max_len * itemsize < 4096
-    for way, rows in ((64 << 10, 128), (128 << 10, 256)):
-        slots = {r * stride % way // 512 for r in range(rows)}
-        assert len(slots) == rows
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int8])
+def test_keys_in_blocks_across_block_edges(dtype):
+    """Appends of 1, 127, 130 and 300 keys (crossing the edges of blocks of CHUNK keys, one
+    append spanning three blocks) store each key in its block, transposed: ``view`` gives them
+    back, and the storage holds key j, dim c at [j // CHUNK, c, j % CHUNK]."""
+    n_k, chunk = 558, decode.CHUNK
+    k, v = rand((1, 2, n_k, D), seed=11), rand((1, 2, n_k, D), seed=12)
+    cache = cpuflash.KVCache(1, 1, 2, 600, D, dtype=dtype)
+    start = 0
+    for n in (1, 127, 130, 300):
+        cache.append(0, k[:, :, start:start + n], v[:, :, start:start + n])
+        start += n
+    assert cache.k_blocks.shape == (1, 1, 2, 5, D, chunk)
+    stored, _, _ = cache.view(0)
+    want = cpuflash.quantize_int8(k)[0] if dtype == np.int8 else k.astype(dtype)
+    np.testing.assert_array_equal(stored, want)
+    for j in (0, 127, 128, 257, 557):
+        np.testing.assert_array_equal(cache.k_blocks[0, :, :, j // chunk, :, j % chunk],
+                                      want[:, :, j])
+    assert not cache.k_blocks[0, :, :, 4, :, n_k % chunk:].any()  # past the last key
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_blocks_read_as_a_transposed_k(dtype):
+    """The decode kernel reads the blocks as a chunk of K^T each: the same bits as the same
+    keys passed as a transposed K, over splits and a ragged last chunk (the same tile
+    products in the same order)."""
+    n_k = 4096 + 300
+    cache = cpuflash.KVCache(1, 1, 2, n_k, D, dtype=dtype)
+    cache.append(0, rand((1, 2, n_k, D), seed=13), rand((1, 2, n_k, D), seed=14))
+    k, v, _ = cache.view(0)
+    k_t = np.ascontiguousarray(k.transpose(0, 1, 3, 2)).transpose(0, 1, 3, 2)
+    q = rand((1, 8, 2, D), seed=15)
+    for opts in ({}, {"causal": True}, {"window": (1000, 0)}):
+        np.testing.assert_array_equal(cache.attention(0, q, **opts),
+                                      cpuflash.attention(q, k_t, v, **opts))
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.int8])
-def test_decode_over_padded_long_rows(dtype):
-    """A cache whose K^T rows are padded past 4 KiB (1100 keys: 52 float32 elements, 624 int8)
-    decodes as the reference on its dequantized K/V."""
-    n_k = 1090
-    cache = cpuflash.KVCache(1, 1, 2, 1100, D, dtype=dtype)
-    assert cache.k_t.shape[-1] > 1100 + 16
+def test_many_queries_take_the_tiled_path_from_the_blocks(dtype):
+    """More than MAX_NQ queries (a prefill through the cache) take the tiled path on K copied
+    out of the blocks: as the reference on the dequantized cache."""
+    n_k = 300
+    cache = cpuflash.KVCache(1, 1, 2, 400, D, dtype=dtype)
     cache.append(0, rand((1, 2, n_k, D), seed=8), rand((1, 2, n_k, D), seed=9))
-    q = rand((1, 4, 2, D), seed=10)
+    q = rand((1, 4, decode.MAX_NQ + 5, D), seed=10)
     out = cache.attention(0, q, causal=True)
     kd, vd = dequantized(cache, 0)
     want = reference.attention(q.astype(np.float64), kd, vd, causal=True)
     np.testing.assert_allclose(out, want, atol=2e-6, rtol=0)
 
 
+def test_int8_cache_scales_are_not_options():
+    cache = cpuflash.KVCache(1, 1, 1, 8, D, dtype=np.int8)
+    cache.append(0, rand((1, 1, 2, D)), rand((1, 1, 2, D)))
+    with pytest.raises(TypeError, match="k_scale: the cache's own"):
+        cache.attention(0, rand((1, 1, 1, D)), k_scale=np.ones((1, 1, 2), np.float32))
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int8])
 def test_prefetch_hints_change_no_bit(dtype, monkeypatch):
-    """The tile products hint K^T and V ahead into L2: the same bits without."""
+    """The tile products hint K and V ahead into L2: the same bits without."""
     n_k = 5 * decode.CHUNK + 7  # the hints run past the last chunk and the array's end
     cache = cpuflash.KVCache(1, 1, 2, n_k, D, dtype=dtype)
     cache.append(0, rand((1, 2, n_k, D), seed=5), rand((1, 2, n_k, D), seed=6))
@@ -214,7 +245,7 @@ def test_int8_append_of_nan_names_the_argument_and_writes_nothing():
     v[0, 0, 1, 3] = np.nan
     with pytest.raises(ValueError, match="v: int8 quantization needs finite"):
         cache.append(0, rand((1, 1, 2, D)), v)
-    assert cache.lengths[0] == 0 and not cache.k_t.any()
+    assert cache.lengths[0] == 0 and not cache.k_blocks.any()
 
 
 @pytest.mark.parametrize("kwargs,exc,words", [

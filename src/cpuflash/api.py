@@ -6,7 +6,7 @@ import numba
 
 from . import _checks, config, masks
 from ._cpu.backward import run_backward
-from ._cpu.decode import MAX_NQ, run_decode
+from ._cpu.decode import MAX_NQ, keys_of_blocks, run_decode
 from ._cpu.forward import run_forward
 
 __all__ = ["attention", "attention_backward", "attention_vjp", "merge", "set_num_threads",
@@ -65,8 +65,42 @@ def attention(q, k, v, *, causal=False, scale=None, mask=None, window=None, kv_l
         result = _plain_decode(q, k, v, causal, scale)
         if result is not None:
             return result
+    return _attention(q, k, v, None, causal=causal, scale=scale, mask=mask, window=window,
+                      kv_lens=kv_lens, alibi_slopes=alibi_slopes, softcap=softcap,
+                      dropout_p=dropout_p, seed=seed, return_lse=return_lse, out=out,
+                      k_scale=k_scale, v_scale=v_scale, device=device)
+
+
+def attention_on_key_blocks(q, k_blocks, n_k, v, options):
+    """``attention(q, k, v, **options)`` for ``KVCache``, whose K is held in blocks of keys:
+    ``k_blocks`` (B, Hkv, blocks, D, ``decode.CHUNK``), its first ``n_k`` keys. The decode path
+    reads the blocks in place; any other gets K as an array (a copy). The checks are
+    ``attention``'s, on a stand-in for K of its shape and dtype that holds no memory."""
+    n_b, n_hkv, _, d, _ = k_blocks.shape
+    k = np.ndarray((n_b, n_hkv, n_k, d), k_blocks.dtype, buffer=_zero_of(k_blocks.dtype),
+                   strides=(0, 0, 0, 0))
+    if options.keys() <= {"causal", "scale"}:
+        result = _plain_decode(q, k, v, options.get("causal", False), options.get("scale"),
+                               k_blocks)
+        if result is not None:
+            return result
+    return _attention(q, k, v, k_blocks, **options)
+
+
+@functools.cache
+def _zero_of(dtype):
+    return np.zeros(1, dtype)
+
+
+def _attention(q, k, v, k_blocks, *, causal=False, scale=None, mask=None, window=None,
+               kv_lens=None, alibi_slopes=None, softcap=None, dropout_p=0.0, seed=None,
+               return_lse=False, out=None, k_scale=None, v_scale=None, device=None):
+    """``attention`` after the plain decode path; ``k_blocks``: as ``attention_on_key_blocks``
+    (``k`` then its stand-in), or None."""
     return_lse = _checks.flag("return_lse", return_lse)
     if _on_cuda(q, device):
+        if k_blocks is not None:
+            k = keys_of_blocks(k_blocks, k.shape[2])
         return _cuda_dispatch().attention(
             q, k, v, causal=causal, scale=scale, mask=mask, window=window, kv_lens=kv_lens,
             alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p, seed=seed,
@@ -78,10 +112,11 @@ def attention(q, k, v, *, causal=False, scale=None, mask=None, window=None, kv_l
     q4 = call.in_compute(q)
     k4, v4 = (call.in_storage(x) for x in (k, v))  # a float16/int8 cache stays as it is
     direct = (out is not None and out.dtype == call.compute and out.flags.c_contiguous
-              and not any(np.may_share_memory(out, x) for x in (q4, k4, v4)))
+              and not any(np.may_share_memory(out, x)
+                          for x in (q4, k4 if k_blocks is None else k_blocks, v4)))
     o4, lse = run_forward(q4, k4, v4, call.scale, call.band, call.mods, call.mask, call.drop,
                           config.PORTABLE, out=_checks.as_4d(out) if direct else None,
-                          kv_scales=call.kv_scales)
+                          kv_scales=call.kv_scales, k_blocks=k_blocks)
 
     result = o4.reshape(out_shape)
     if out is not None and not direct:
@@ -96,7 +131,7 @@ def attention(q, k, v, *, causal=False, scale=None, mask=None, window=None, kv_l
     return result
 
 
-def _plain_decode(q, k, v, causal, scale):
+def _plain_decode(q, k, v, causal, scale, k_blocks=None):
     """A decode step with no option but ``causal`` and ``scale``, straight to the decode path,
     or None for anything else (the general path then checks it, and raises what it must).
 
@@ -107,7 +142,8 @@ def _plain_decode(q, k, v, causal, scale):
     accept as they stand: 4-D numpy q, k, v with q float32 or float64, k and v of q's dtype (or
     a float16 cache with float32 q), matching shapes with ``Hq % Hkv == 0``, 1 to ``MAX_NQ``
     queries, at least one key, ``causal`` a bool, ``scale`` None or a float. It runs the same
-    kernel on the same arguments as the general path (the same bits)."""
+    kernel on the same arguments as the general path (the same bits). ``k_blocks``: as
+    ``attention_on_key_blocks``."""
     if not (type(q) is np.ndarray and type(k) is np.ndarray and type(v) is np.ndarray
             and q.ndim == 4 and k.ndim == 4 and v.ndim == 4 and not config.PORTABLE
             and (causal is True or causal is False)):
@@ -126,7 +162,8 @@ def _plain_decode(q, k, v, causal, scale):
     decoded = run_decode(q, k, v, _checks.scale(scale, d),
                          masks.band(causal, None, None, n_b, n_k),
                          masks.modifiers(None, None, n_b, n_hq),
-                         masks.UserMask(None, n_b, n_hq, n_q, n_k, dtype), (0, 0))
+                         masks.UserMask(None, n_b, n_hq, n_q, n_k, dtype), (0, 0),
+                         k_blocks=k_blocks)
     return None if decoded is None else decoded[0]
 
 

@@ -261,24 +261,28 @@ def combine_row(m_part, l_part, acc_part, out, lse, b, h, i):
 
 @kernel(strided=("q", "k", "v", "k_scale_4", "v_scale_4", "mask_bools", "mask_adds"),
         read_only=("kv_lens", "slopes2"))
-def decode(q, k, k_strides, k_storage, prefetch, v, v_strides, k_scale_4, ks_strides,
-           v_scale_4, vs_strides, n_hkv, n_k, d, dv, n_splits, scale2, left, right, kv_lens,
-           softcap2, slopes2, mask_bools, mask_adds, mask_is_bool, mask_given, drop_below, seed,
-           m_part, l_part, acc_part, out, lse, serial_merge):
-    """q: (B, Hq, Nq, D) any strides, compute dtype. k, v: (B, Hkv, Nk, D / Dv) in their
-    storage type (the compute dtype, float16 bits as uint16, or int8), read through 1-D views
-    ``kf``, ``vf`` from their first elements (``span_of``: made here, not by a Python call per
-    step); element (b, h, j, c) is at ``b*s0 + h*s1 + j*s2 + c*s3`` with ``k_strides = (s0, s1,
-    s2, s3)`` (``element_strides``): ``s3 = 1`` (rows of K contiguous, scores by
-    ``vdot_keys``) or ``s2 = 1`` (K transposed, keys contiguous, scores by the tile product);
-    ``v_strides`` likewise with ``s3 = 1``. ``k_storage``: whether K is in a storage type (not
-    the compute dtype). ``prefetch``: whether the tile products hint K^T and V ``AHEAD``
-    chunks ahead (and K^T is hinted ``HINT_BLOCK`` keys ahead).
+def decode(q, k, k_strides, k_block, k_storage, prefetch, v, v_strides, k_scale_4,
+           ks_strides, v_scale_4, vs_strides, n_hkv, n_k, d, dv, n_splits, scale2, left, right,
+           kv_lens, softcap2, slopes2, mask_bools, mask_adds, mask_is_bool, mask_given,
+           drop_below, seed, m_part, l_part, acc_part, out, lse, serial_merge):
+    """q: (B, Hq, Nq, D) any strides, compute dtype. k, v: 4-D arrays in their storage type
+    (the compute dtype, float16 bits as uint16, or int8), read through 1-D views ``kf``,
+    ``vf`` from their first elements (``span_of``: made here, not by a Python call per step).
+    Key j = CHUNK * n + t (``t < CHUNK``), dim c of head (b, h) is at ``b*s0 + h*s1 + n*k_block
+    + t*s2 + c*s3`` with ``k_strides = (s0, s1, s2, s3)``: a (B, Hkv, Nk, D) array has
+    ``k_block = CHUNK * s2`` (``element_strides``); KVCache's blocks of CHUNK keys (``k``
+    then (B, Hkv, blocks, D * CHUNK)) have ``s2 = 1``, ``s3 = CHUNK`` and ``k_block`` the
+    block stride (``block_layout``). ``s3 = 1``: rows of K contiguous, scores by
+    ``vdot_keys``; ``s2 = 1``: keys contiguous, scores by the tile product. v: (B, Hkv, Nk,
+    Dv), ``v_strides`` as K's with ``s3 = 1``. ``k_storage``: whether K is in a storage type
+    (not the compute dtype). ``prefetch``: whether the tile products hint K and V ``AHEAD``
+    chunks ahead (and a transposed K not in blocks is hinted ``HINT_BLOCK`` keys ahead).
     k_scale, v_scale: int8 dequantization scales as (B, Hkv, Nk, 1), read as K and V are, with
     strides ``ks_strides``, ``vs_strides`` over (b, h, j) (``K = kf * k_scale``), or empty
     arrays when K/V are floats.
     left, right, kv_lens: the band of keys each row sees (masking.py); the splits divide the
-    array's ``n_k`` keys, and keys outside a row's band are never read.
+    array's ``n_k`` keys, and keys past a row's band are never read (a window's first chunk
+    starts at a multiple of CHUNK: up to CHUNK - 1 keys before it are read and masked).
     Writes per split: m_part, l_part (n_splits, B, Hq, Nq) and acc_part (..., Dv); then merges
     them into out (B, Hq, Nq, Dv) and lse (B, Hq, Nq) (``combine_row``), in this call: a
     second call would cost a dispatch and its Python, 15 us of a 0.7 ms step. The merge runs
@@ -301,6 +305,7 @@ def decode(q, k, k_strides, k_storage, prefetch, v, v_strides, k_scale_4, ks_str
     modify = softcap2 != 0.0 or np.any(slopes2 != 0.0)
     quantized = k_scale.size > 0
     keys_unit = k_strides[3] != 1  # K stored transposed: a key's D values k_strides[3] apart
+    blocked = k_block != CHUNK * k_strides[2]  # K in blocks of a chunk (KVCache's layout)
     stage_k = rows > 1 and k_storage and not keys_unit  # convert float16/int8 keys once
     inv_keep = 2.0**32 / (2.0**32 - drop_below)  # 1 / (1 - p)
     no_t = np.empty(0, dtype=acc_part.dtype)
@@ -328,20 +333,24 @@ def decode(q, k, k_strides, k_storage, prefetch, v, v_strides, k_scale_4, ks_str
         # The keys of this split that some row of the group sees.
         j_start = max(split * split_len, first_r[0])
         j_stop = min(split * split_len + split_len, last_r[n_q - 1] + 1)
+        # Chunks start on multiples of CHUNK (a block of KVCache's K is a chunk): a window's
+        # first chunk begins up to CHUNK - 1 keys before its band, which are masked.
+        if j_start < j_stop:
+            j_start = j_start // CHUNK * CHUNK
         k_head = b * k_strides[0] + hk * k_strides[1]
         v_head = b * v_strides[0] + hk * v_strides[1]
         ks_head = b * ks_strides[0] + hk * ks_strides[1]
         vs_head = b * vs_strides[0] + hk * vs_strides[1]
         for c0 in range(j_start, j_stop, CHUNK):
             n_c = min(CHUNK, j_stop - c0)
+            k_chunk = k_head + c0 // CHUNK * k_block
             if keys_unit:
-                if prefetch:
+                if prefetch and not blocked:
                     hint_next_block(kf, k_head, k_strides[3], d, c0, j_start, j_stop)
-                transposed_scores(s, q_s, rows, d, kf, k_head + c0, k_strides[3], n_c,
-                                  AHEAD * CHUNK if prefetch else 0)
+                transposed_scores(s, q_s, rows, d, kf, k_chunk, k_strides[3], n_c,
+                                  AHEAD * k_block if prefetch else 0)
             else:
-                chunk_scores(s, q_s, rows, d, d_vec, kf, k_head + c0 * k_strides[2],
-                             k_strides[2], n_c, k_buf)
+                chunk_scores(s, q_s, rows, d, d_vec, kf, k_chunk, k_strides[2], n_c, k_buf)
             for r in range(rows):
                 row = r * CHUNK
                 if quantized:
@@ -455,13 +464,36 @@ def _storage_view(x):
     return x.view(np.uint16) if x.dtype == np.float16 else x
 
 
+def block_layout(k_blocks):
+    """KVCache's K in blocks of CHUNK keys, (B, Hkv, blocks, D, CHUNK) with the last two axes
+    contiguous, as the decode kernel reads it: ``(k, k_strides, k_block)`` with ``k`` a 4-D
+    view (B, Hkv, blocks, D * CHUNK) in its storage type (see ``decode``)."""
+    x = _storage_view(k_blocks)
+    n_b, n_hkv, n_blocks, d, _ = x.shape
+    st, item = x.strides, x.itemsize
+    return (x.reshape(n_b, n_hkv, n_blocks, d * CHUNK),
+            (st[0] // item, st[1] // item, 1, CHUNK), st[2] // item)
+
+
+def keys_of_blocks(k_blocks, n_k):
+    """The first ``n_k`` keys of K in blocks (B, Hkv, blocks, D, CHUNK) as a (B, Hkv, n_k, D)
+    array (a copy)."""
+    n_b, n_hkv, _, d, _ = k_blocks.shape
+    n_blocks = -(-n_k // CHUNK)
+    keys = np.empty((n_b, n_hkv, n_blocks, CHUNK, d), k_blocks.dtype)
+    keys[...] = k_blocks[:, :, :n_blocks].transpose(0, 1, 2, 4, 3)
+    return keys.reshape(n_b, n_hkv, n_blocks * CHUNK, d)[:, :, :n_k]
+
+
 def run_decode(q, k, v, scale, band, mods, user_mask, drop, out=None, kv_scales=None,
-               lse=None):
+               lse=None, k_blocks=None):
     """The decode path for 4-D arrays, or None where it does not apply (``Nq`` large, or K or V
     rows not unit-stride): the caller then takes the tiled path. ``q`` is in the compute dtype;
     ``k``, ``v`` in it too, or a float16 cache (float32 compute), or int8 with ``kv_scales =
     (k_scale, v_scale)`` of shape (B, Hkv, Nk), read in place either way. ``band``: the
     ``(left, right, kv_lens)`` of masking.py. ``out``, ``lse``: written in place if given.
+    ``k_blocks``: K in KVCache's blocks (``block_layout``), read in their place; ``k`` then
+    gives only K's shape and dtype.
 
     This Python runs right after the previous step's kernel has streamed K/V through the
     caches, where each numpy call costs several microseconds: it stays short."""
@@ -471,10 +503,14 @@ def run_decode(q, k, v, scale, band, mods, user_mask, drop, out=None, kv_scales=
     n_hkv, n_k, dv = v.shape[1], v.shape[2], v.shape[3]
     if n_q > MAX_NQ or n_k == 0 or q.size == 0 or v.size == 0:
         return None
-    k_store, v_store = _storage_view(k), _storage_view(v)
-    # K with unit-stride rows, or transposed (unit-stride keys: KVCache's layout)
-    k_steps = element_strides(k_store, unit_axes=(3, 2))
+    v_store = _storage_view(v)
     v_steps = element_strides(v_store)
+    if k_blocks is not None:
+        k_store, k_steps, k_block = block_layout(k_blocks)
+    else:  # K with unit-stride rows, or transposed (unit-stride keys)
+        k_store = _storage_view(k)
+        k_steps = element_strides(k_store, unit_axes=(3, 2))
+        k_block = 0 if k_steps is None else CHUNK * k_steps[2]
     if k_steps is None or v_steps is None:
         return None
     dtype = q.dtype
@@ -490,7 +526,7 @@ def run_decode(q, k, v, scale, band, mods, user_mask, drop, out=None, kv_scales=
         out = np.empty((n_b, n_hq, n_q, dv), dtype=dtype)
     if lse is None:
         lse = np.empty((n_b, n_hq, n_q), dtype=dtype)
-    decode(q, k_store, k_steps, k.dtype != dtype, PREFETCH, v_store, v_steps, k_scale,
+    decode(q, k_store, k_steps, k_block, k.dtype != dtype, PREFETCH, v_store, v_steps, k_scale,
            ks_strides, v_scale, vs_strides, n_hkv, n_k, d, dv, n_splits, scale * LOG2_E, left,
            right, kv_lens, softcap2, slopes2, *user_mask.kernel_args(), user_mask.given,
            drop[0], drop[1], m_part, l_part, acc_part, out, lse,
