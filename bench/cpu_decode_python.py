@@ -2,7 +2,7 @@
 ``--layers`` deep KVCache (K/V from DRAM, as the decode benchmark's cold steps), in rounds in
 one process, through
 
-* ``plain``: ``cpuflash.attention(q, k, v)``, which takes the plain decode path
+* ``plain``: ``cache.attention(layer, q)``, which takes the plain decode path
   (``api._plain_decode``),
 * ``general``: the same call with ``return_lse=True``, which takes the general checks,
 * ``kernel``: the decode kernel alone, called with the arguments the plain path gave it,
@@ -10,7 +10,8 @@ one process, through
 and the streaming read of the same bytes (``_cpu/stream.py``). Medians of the rounds, ms a
 layer. A step runs right after its kernel has streamed K/V through every cache, so its
 Python runs from cold caches. ``--grow``: every call sees one key fewer than the one before
-(a new length each step, as a growing cache; the kernel alone keeps the first calls' length).
+(a new length each step, as a growing cache, set through ``cache.lengths``; the kernel alone
+keeps the first calls' length).
 Not collected by pytest.
 
     python bench/cpu_decode_python.py [--nk 32768] [--hkv 2] [--layers 19] [--rounds 12]
@@ -53,28 +54,26 @@ def main(argv=None):
     for layer in range(a.layers):
         cache.append(layer, *kv)
     q = rng.standard_normal((1, 8, 1, 64), dtype=np.float32)
-    views = [cache.view(layer)[:2] for layer in range(a.layers)]
     kernel_args = []
     kernel = decode.decode
     decode.decode = lambda *args: kernel_args.append(args) or kernel(*args)
     try:
-        for k, v in views:
-            cpuflash.attention(q, k, v)
+        for layer in range(a.layers):
+            cache.attention(layer, q)
     finally:
         decode.decode = kernel
-    everything = np.concatenate([cache.k_t.reshape(-1), cache.v.reshape(-1)])
+    everything = np.concatenate([cache.k_blocks.reshape(-1), cache.v.reshape(-1)])
     shorter = itertools.count(1)
 
-    def now(k, v):  # the cache as this call sees it
-        if not a.grow:
-            return k, v
-        n = a.nk - next(shorter) % (a.nk // 2)
-        return k[:, :, :n], v[:, :, :n]
+    def now(layer):  # the layer, its length set as this call sees it
+        if a.grow:
+            cache.lengths[layer] = a.nk - next(shorter) % (a.nk // 2)
+        return layer
 
     ways = {
-        "plain": lambda: [cpuflash.attention(q, *now(k, v)) for k, v in views],
-        "general": lambda: [cpuflash.attention(q, *now(k, v), return_lse=True)
-                            for k, v in views],
+        "plain": lambda: [cache.attention(now(layer), q) for layer in range(a.layers)],
+        "general": lambda: [cache.attention(now(layer), q, return_lse=True)
+                            for layer in range(a.layers)],
         "kernel": lambda: [kernel(*args) for args in kernel_args],
         "stream": lambda: stream_sum(everything),
     }

@@ -14,7 +14,6 @@ import time
 import pytest
 from conftest import record
 
-import cpuflash
 from cpuflash import _measure, reference
 
 CASES = [(h_kv, n_k) for n_k in (4096, 32768) for h_kv in (8, 2)]
@@ -31,9 +30,8 @@ def test_decode(benchmark, impl, h_kv, n_k, request):
         fn = lambda: torch_step(q, k, v)  # noqa: E731
         nbytes = k.nbytes + v.nbytes
     else:
-        k_c, v_c, opts = _measure.decode_cache(k, v, impl)
-        fn = lambda: cpuflash.attention(q, k_c, v_c, **opts)  # noqa: E731
-        nbytes = k_c.nbytes + v_c.nbytes + sum(x.nbytes for x in opts.values())
+        cache, nbytes = _measure.decode_cache(k, v, impl)
+        fn = lambda: cache.attention(0, q)  # noqa: E731
     err = float(abs(fn() - reference.attention(q, k, v)).max())
     assert err < (1e-5 if impl in ("float32", "torch") else 5e-3)
     benchmark.group = f"decode Hq=8 Hkv={h_kv} Nk={n_k} D=64"

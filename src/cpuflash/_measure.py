@@ -93,15 +93,25 @@ def torch_decode():
     return run
 
 
-def decode_cache(k, v, cache_dtype):
-    """``(k, v, options)``: views of a ``cpuflash.KVCache`` in ``cache_dtype`` ("float32",
-    "float16", "int8") holding ``k``, ``v`` (K transposed, as the cache stores it); ``options``
-    has the int8 scales."""
+def decode_cache(k, v, cache_dtype, layers=1):
+    """``(cache, nbytes)``: a ``cpuflash.KVCache`` in ``cache_dtype`` ("float32", "float16",
+    "int8") of ``layers`` layers, each holding ``k``, ``v``; and the unique bytes a decode
+    step over one layer reads (its keys, values and int8 scales)."""
     import cpuflash
     n_b, n_h, n_k, d = k.shape
-    cache = cpuflash.KVCache(1, n_b, n_h, n_k, d, v_head_dim=v.shape[3], dtype=cache_dtype)
-    cache.append(0, k, v)
-    return cache.view(0)
+    cache = cpuflash.KVCache(layers, n_b, n_h, n_k, d, v_head_dim=v.shape[3], dtype=cache_dtype)
+    for layer in range(layers):
+        cache.append(layer, k, v)
+    return cache, step_bytes(k.shape, v.shape[3], cache_dtype)
+
+
+def step_bytes(k_shape, dv, cache_dtype):
+    """The unique bytes a decode step reads from a cache in ``cache_dtype`` holding keys of
+    ``k_shape`` (B, Hkv, Nk, D) and values of head dim ``dv``: K, V and int8's two float32
+    scales per token and head."""
+    n_b, n_h, n_k, d = k_shape
+    per_token = (d + dv) * np.dtype(cache_dtype).itemsize + (8 if cache_dtype == "int8" else 0)
+    return n_b * n_h * n_k * per_token
 
 
 COLD_BYTES = 600 << 20  # more than twice this machine's L3 (260 MiB): K/V come from DRAM
@@ -126,20 +136,14 @@ def decode_case(h_kv, n_k, cache_dtype, cold=False, h_q=8, d=64, torch_run=None,
     second, int8 scales included), ``stream_gbs``, ``torch_ms``, ``vs_torch``, ``err`` (max
     abs error against the float64 reference on the float32 K/V, i.e. with the cache format's
     rounding)."""
-    import cpuflash
     q, k, v = make_qkv(1, h_q, n_k, d, n_q=1, h_kv=h_kv, seed=seed)
-    k_c, v_c, opts = decode_cache(k, v, cache_dtype)
-    layer_bytes = k_c.nbytes + v_c.nbytes + sum(x.nbytes for x in opts.values())
+    layer_bytes = step_bytes(k.shape, v.shape[3], cache_dtype)
     layers = max(1, -(-COLD_BYTES // layer_bytes)) if cold else 1
-    def copy(x):  # same memory layout (K stays transposed)
-        return np.copy(x, order="K")
-
-    caches = [(k_c, v_c, opts)] + [(copy(k_c), copy(v_c), {n: copy(x) for n, x in opts.items()})
-                                   for _ in range(layers - 1)]
+    cache = decode_cache(k, v, cache_dtype, layers)[0]
 
     def step():
-        for k_l, v_l, o in caches:
-            cpuflash.attention(q, k_l, v_l, **o)
+        for layer in range(layers):
+            cache.attention(layer, q)
 
     fns = {"cpuflash": step}
     if torch_run is not None:
@@ -177,7 +181,7 @@ def decode_case(h_kv, n_k, cache_dtype, cold=False, h_q=8, d=64, torch_run=None,
            "mode": f"cold x{layers}" if cold else "hot", "ms": t * 1e3,
            "gbs": layer_bytes / t / 1e9,
            "stream_gbs": n_read / best["stream"] / 1e9,
-           "err": float(np.max(np.abs(cpuflash.attention(q, k_c, v_c, **opts).astype(np.float64)
+           "err": float(np.max(np.abs(cache.attention(0, q).astype(np.float64)
                                       - reference.attention(q, k, v))))}
     row["of_stream"] = row["gbs"] / row["stream_gbs"]
     if "torch" in best:

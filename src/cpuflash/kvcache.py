@@ -1,17 +1,19 @@
 """A preallocated K/V cache for incremental decoding, in float32/float64, float16 or int8.
 
 Storage is allocated once: V as ``(layers, B, Hkv, max_len, Dv)``, and K in blocks of
-``KEY_BLOCK`` keys (the decode kernel's chunk), each block transposed:
+``KEY_BLOCK`` keys (the decode kernel's chunk, ``_cpu.decode.CHUNK``), each block transposed:
 ``(layers, B, Hkv, blocks, D, KEY_BLOCK)``. A block holds a chunk's K^T in one contiguous piece
 (32 KiB of float32 at D=64), which the decode kernel scores as a register-blocked product with
-the keys along the vector lanes (no horizontal sums) and reads from memory as one stream a
-chunk: a K^T of whole rows (``(D, max_len)``, up to stop 36) made that 64 short streams, which
-the prefetchers do not follow. Measured on the Zen 4 (stop 37, Hkv=2, Nk=32768, float32 from
-DRAM, a model of the loop in one process): 28.0 GB/s with whole rows, 35.9 with blocks, against
-a streaming read of 42.7. ``append`` writes new tokens in place and ``attention`` reads the
-blocks in place, so a decode step allocates nothing that grows with the cache; ``view`` gives
-K as an array, a copy (no strided view can show blocks). float16 and int8 caches are read in
-place and computed in float32 (the decode path of ``cpuflash.attention``).
+the keys along the vector lanes (no horizontal sums) and reads as one stream a chunk. Up to
+stop 36, K^T had rows of ``max_len`` keys (``(D, max_len)``, padded so that the rows fell in
+different cache sets): a chunk read 512 bytes of float32 from each of 64 rows. Measured on the Zen 4 (stop
+37, Hkv=2, Nk=32768, K/V from DRAM, the two layouts side by side in one process over the same
+V, ``bench/cpu_kv_layout.py``): float16 0.51-0.62 ms a step against 0.73-0.76 with rows,
+int8 0.56-0.64 against 0.67-0.73, float32 the same within the noise (1.27-1.48 against
+1.27-1.44). ``append`` writes new tokens in place and ``attention`` reads the blocks in place,
+so a decode step allocates nothing that grows with the cache; ``view`` gives K as an array, a
+copy (no strided view can show blocks). float16 and int8 caches are read in place and computed
+in float32 (the decode path of ``cpuflash.attention``).
 
 int8 is symmetric, one scale per token and head (``quantize_int8``): ``x ~= x8 * scale`` with
 ``scale = max|x| / 127`` over the head dim, so the rounding error of an element is at most

@@ -105,8 +105,7 @@ def run_job(name):
         store = kind.split("-")[1] if "-" in kind else dtype
         cache = cpuflash.KVCache(1, 1, 2, 40, 16, dtype=store)
         cache.append(0, k, v)
-        k_c, v_c, opts = cache.view(0)
-        cpuflash.attention(q, k_c, v_c, **opts)
+        cache.attention(0, q)
 
 
 def precompile(names=None, processes=None, timeout_s=900):
