@@ -36,7 +36,8 @@ def steps(kind, reps, q_s, kt, k_step, v, rows, d, n, s, m_i, l_t, a_i, pv, acc,
     for _ in range(reps):
         for c0 in range(0, n, CHUNK):
             if kind & SCORES:
-                decode.transposed_scores(s, q_s, rows, d, kt, c0, k_step, CHUNK, ahead)
+                decode.transposed_scores(s, q_s, rows, d, kt, c0, k_step, decode.KEY_BLOCK, CHUNK,
+                                         ahead)
             if kind & SOFTMAX:
                 online_softmax(s, 0, CHUNK, CHUNK, rows, m_i, l_t, a_i, l_t, False, False,
                                False)

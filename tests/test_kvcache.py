@@ -146,24 +146,24 @@ def test_storage_starts_on_a_cache_line():
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int8])
 def test_keys_in_blocks_across_block_edges(dtype):
-    """Appends of 1, 127, 130 and 300 keys (crossing the edges of blocks of CHUNK keys, one
-    append spanning three blocks) store each key in its block, transposed: ``view`` gives them
-    back, and the storage holds key j, dim c at [j // CHUNK, c, j % CHUNK]."""
-    n_k, chunk = 558, decode.CHUNK
+    """Appends of 1, 63, 130 and 300 keys (crossing the edges of blocks of KEY_BLOCK keys, one
+    append spanning five blocks) store each key in its block, transposed: ``view`` gives them
+    back, and the storage holds key j, dim c at [j // KEY_BLOCK, c, j % KEY_BLOCK]."""
+    n_k, block = 494, decode.KEY_BLOCK
     k, v = rand((1, 2, n_k, D), seed=11), rand((1, 2, n_k, D), seed=12)
     cache = cpuflash.KVCache(1, 1, 2, 600, D, dtype=dtype)
     start = 0
-    for n in (1, 127, 130, 300):
+    for n in (1, 63, 130, 300):
         cache.append(0, k[:, :, start:start + n], v[:, :, start:start + n])
         start += n
-    assert cache.k_blocks.shape == (1, 1, 2, 5, D, chunk)
+    assert cache.k_blocks.shape == (1, 1, 2, -(-600 // block), D, block)
     stored, _, _ = cache.view(0)
     want = cpuflash.quantize_int8(k)[0] if dtype == np.int8 else k.astype(dtype)
     np.testing.assert_array_equal(stored, want)
-    for j in (0, 127, 128, 257, 557):
-        np.testing.assert_array_equal(cache.k_blocks[0, :, :, j // chunk, :, j % chunk],
+    for j in (0, 63, 64, 193, 493):
+        np.testing.assert_array_equal(cache.k_blocks[0, :, :, j // block, :, j % block],
                                       want[:, :, j])
-    assert not cache.k_blocks[0, :, :, 4, :, n_k % chunk:].any()  # past the last key
+    assert not cache.k_blocks[0, :, :, n_k // block, :, n_k % block:].any()  # past the last
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])

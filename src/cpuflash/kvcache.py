@@ -1,16 +1,17 @@
 """A preallocated K/V cache for incremental decoding, in float32/float64, float16 or int8.
 
 Storage is allocated once: V as ``(layers, B, Hkv, max_len, Dv)``, and K in blocks of
-``KEY_BLOCK`` keys (the decode kernel's chunk, ``_cpu.decode.CHUNK``), each block transposed:
-``(layers, B, Hkv, blocks, D, KEY_BLOCK)``. A block holds a chunk's K^T in one contiguous piece
-(32 KiB of float32 at D=64), which the decode kernel scores as a register-blocked product with
-the keys along the vector lanes (no horizontal sums) and reads as one stream a chunk. Up to
-stop 36, K^T had rows of ``max_len`` keys (``(D, max_len)``, padded so that the rows fell in
-different cache sets): a chunk read 512 bytes of float32 from each of 64 rows. Measured on the Zen 4 (stop
-37, Hkv=2, Nk=32768, K/V from DRAM, the two layouts side by side in one process over the same
-V, ``bench/cpu_kv_layout.py``): float16 0.51-0.62 ms a step against 0.73-0.76 with rows,
-int8 0.56-0.64 against 0.67-0.73, float32 the same within the noise (1.27-1.48 against
-1.27-1.44). ``append`` writes new tokens in place and ``attention`` reads the blocks in place,
+``KEY_BLOCK`` (64) keys, each block their K^T in one contiguous piece: ``(layers, B, Hkv,
+blocks, D, KEY_BLOCK)`` (16 KiB of float32 at D=64; the decode kernel's chunk of 128 keys is two
+blocks in a row). The decode kernel scores a block as a register-blocked product with the keys
+along the vector lanes (no horizontal sums), one micro-kernel call that reads the block from
+its first byte to its last (``_cpu.decode.KEY_BLOCK``). Up to stop 36, K^T had rows of
+``max_len`` keys (``(D, max_len)``, padded so that the rows fell in different cache sets): a
+chunk read 512 bytes of float32 from each of 64 rows, 64 short streams. Measured on the Zen 4
+(stop 37, Hkv=2, Nk=32768, K/V from DRAM, the two layouts side by side in one process over the
+same V, ``bench/cpu_kv_layout.py``), with blocks of a whole chunk (128 keys): float16 0.51-0.62
+ms a step against 0.73-0.76 with rows, int8 0.56-0.64 against 0.67-0.73, float32 the same
+within the noise (1.27-1.48 against 1.27-1.44). ``append`` writes new tokens in place and ``attention`` reads the blocks in place,
 so a decode step allocates nothing that grows with the cache; ``view`` gives K as an array, a
 copy (no strided view can show blocks). float16 and int8 caches are read in place and computed
 in float32 (the decode path of ``cpuflash.attention``).
@@ -23,7 +24,7 @@ int8 is symmetric, one scale per token and head (``quantize_int8``): ``x ~= x8 *
 import numpy as np
 
 from . import _checks
-from ._cpu.decode import CHUNK as KEY_BLOCK, keys_of_blocks
+from ._cpu.decode import KEY_BLOCK, keys_of_blocks
 from ._cpu.pack import on_line
 from .api import attention_on_key_blocks
 
