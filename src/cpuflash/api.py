@@ -73,8 +73,8 @@ def attention(q, k, v, *, causal=False, scale=None, mask=None, window=None, kv_l
 
 def attention_on_key_blocks(q, k_blocks, n_k, v, options):
     """``attention(q, k, v, **options)`` for ``KVCache``, whose K is held in blocks of keys:
-    ``k_blocks`` (B, Hkv, blocks, D, ``decode.CHUNK``), its first ``n_k`` keys. The decode path
-    reads the blocks in place; any other gets K as an array (a copy). The checks are
+    ``k_blocks`` (B, Hkv, blocks, D, ``decode.KEY_BLOCK``), its first ``n_k`` keys. The decode
+    path reads the blocks in place; any other gets K as an array (a copy). The checks are
     ``attention``'s, on a stand-in for K of its shape and dtype that holds no memory."""
     n_b, n_hkv, _, d, _ = k_blocks.shape
     k = np.ndarray((n_b, n_hkv, n_k, d), k_blocks.dtype, buffer=_zero_of(k_blocks.dtype),

@@ -9,12 +9,14 @@ its first byte to its last (``_cpu.decode.KEY_BLOCK``). Up to stop 36, K^T had r
 ``max_len`` keys (``(D, max_len)``, padded so that the rows fell in different cache sets): a
 chunk read 512 bytes of float32 from each of 64 rows, 64 short streams. Measured on the Zen 4
 (stop 37, Hkv=2, Nk=32768, K/V from DRAM, the two layouts side by side in one process over the
-same V, ``bench/cpu_kv_layout.py``), with blocks of a whole chunk (128 keys): float16 0.51-0.62
-ms a step against 0.73-0.76 with rows, int8 0.56-0.64 against 0.67-0.73, float32 the same
-within the noise (1.27-1.48 against 1.27-1.44). ``append`` writes new tokens in place and ``attention`` reads the blocks in place,
-so a decode step allocates nothing that grows with the cache; ``view`` gives K as an array, a
-copy (no strided view can show blocks). float16 and int8 caches are read in place and computed
-in float32 (the decode path of ``cpuflash.attention``).
+same V, ``bench/cpu_kv_layout.py``), ms a step with blocks against rows: float32 1.06-1.25
+against 1.18-1.50, float16 0.53-0.66 against 0.69-0.86, int8 0.63-0.69 against 0.73-0.80
+(blocks faster in every round; blocks of 128 keys were as fast as rows in float32).
+
+``append`` writes new tokens in place and ``attention`` reads the blocks in place, so a decode
+step allocates nothing that grows with the cache; ``view`` gives K as an array, a copy (no
+strided view can show blocks). float16 and int8 caches are read in place and computed in
+float32 (the decode path of ``cpuflash.attention``).
 
 int8 is symmetric, one scale per token and head (``quantize_int8``): ``x ~= x8 * scale`` with
 ``scale = max|x| / 127`` over the head dim, so the rounding error of an element is at most
