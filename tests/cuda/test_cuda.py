@@ -248,6 +248,11 @@ def test_kv_cache_formats(cache):
     np.testing.assert_allclose(out, ref, atol=tol(q.dtype, ref), rtol=0)
     out = cpuflash.attention(q, k_c, v_c, causal=True, device="cuda", **scales)
     np.testing.assert_allclose(out, ref, atol=tol(q.dtype, ref), rtol=0)
+    # a KVCache in that format (K copied out of its blocks of keys for the GPU)
+    kv_cache = cpuflash.KVCache(1, 1, 2, 9, 8, dtype=cache.split()[0])
+    kv_cache.append(0, k, v)
+    out = kv_cache.attention(0, q, causal=True, device="cuda")
+    np.testing.assert_allclose(out, ref, atol=tol(q.dtype, ref), rtol=0)
 
 
 def test_kv_cache_format_errors():
