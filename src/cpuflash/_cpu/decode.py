@@ -64,9 +64,10 @@ KEY_BLOCK = 64
 # three: the same within the noise. What is left, as we read it: the hints fill the core's few
 # miss buffers (one core reaches about 12 GB/s this way, the hardware prefetcher on 8 long
 # streams 19); the block hints below take back a little of it. With KVCache's blocks (stop 37,
-# float32 from DRAM, one process, rounds side by side): without the hints 1.58-2.10 ms a step
-# against 1.23-1.53 with them; 1, 2, 4 and 8 chunks ahead 1.14-1.39, 1.13-1.37, 1.14-1.32 and
-# 1.21-1.47 ms: 1 to 4 alike.
+# float32 from DRAM, one process, rounds side by side; GB/s against a 40-43 GB/s read): hints
+# on K and V 27.7-29.8, on K only 26.5-30.8, on V only 24.9-28.4, none 21.9-32.9, both one
+# chunk ahead 28.2-30.7 (with blocks of 128 keys: none 1.58-2.10 ms a step against 1.23-1.53;
+# 1, 2, 4 and 8 chunks ahead 1.14-1.39, 1.13-1.37, 1.14-1.32, 1.21-1.47 ms).
 AHEAD = 2
 PREFETCH = True  # the hints (a switch for the tests: the same bits without)
 # A transposed K of whole rows (not KVCache's blocks, which are one stream a chunk already) is
