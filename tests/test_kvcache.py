@@ -2,6 +2,7 @@
 the dequantized cache, and against the last rows of a full forward pass; append, overflow and
 bad input."""
 import json
+import re
 import subprocess
 import sys
 
@@ -345,3 +346,40 @@ def test_a_decode_step_allocates_nothing_that_grows_with_the_cache():
         assert proc.returncode == 0, proc.stderr[-2000:]
         growth.append(json.loads(proc.stdout.strip().splitlines()[-1]))
     assert growth[1] <= growth[0] + (256 << 10) and growth[1] < (1 << 20), growth
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_cache_attention_takes_the_plain_decode_path(dtype, causal, monkeypatch):
+    """``cache.attention`` with no option but causal and scale goes straight to the decode path
+    (the general path never runs) and gives the general path's bits."""
+    from cpuflash import api
+    cache = cpuflash.KVCache(1, 2, 2, 400, D, dtype=dtype)
+    cache.append(0, rand((2, 2, 300, D), seed=5), rand((2, 2, 300, D), seed=6))
+    q = rand((2, 4, 3, D), seed=4)
+    general, _ = cache.attention(0, q, causal=causal, scale=0.3, return_lse=True)
+
+    def no_general_path(*args, **kwargs):
+        raise AssertionError("cache.attention took the general path")
+
+    monkeypatch.setattr(api, "run_forward", no_general_path)
+    np.testing.assert_array_equal(cache.attention(0, q, causal=causal, scale=0.3), general)
+
+
+@pytest.mark.parametrize("q_shape, q_dtype, options, error, message", [
+    ((1, 2, 1, D), np.float16, {}, TypeError, "q, k, v: expected one dtype"),
+    ((2, 1, D), np.float32, {}, ValueError, "q, k, v: expected the same rank"),
+    ((1, 3, 1, D), np.float32, {}, ValueError, "k: query heads"),
+    ((1, 2, 1, 16), np.float32, {}, ValueError, "k: expected head dim"),
+    ((1, 2, 1, D), np.float32, {"scale": 0.0}, ValueError, "scale:"),
+    ((1, 2, 1, D), np.float32, {"causal": 1}, TypeError, "causal:"),
+    ((1, 2, 1, D), np.float32, {"window": (-2, 0)}, ValueError, "window"),
+])
+def test_cache_attention_bad_input_names_the_argument(q_shape, q_dtype, options, error,
+                                                      message):
+    """Through the cache, bad queries and options meet ``attention``'s checks (K's stand-in
+    has the cache's shape and dtype)."""
+    cache = cpuflash.KVCache(1, 1, 2, 8, D)
+    cache.append(0, rand((1, 2, 5, D), seed=1), rand((1, 2, 5, D), seed=2))
+    with pytest.raises(error, match=re.escape(message)):
+        cache.attention(0, rand(q_shape, seed=3).astype(q_dtype), **options)
