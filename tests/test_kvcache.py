@@ -383,3 +383,21 @@ def test_cache_attention_bad_input_names_the_argument(q_shape, q_dtype, options,
     cache.append(0, rand((1, 2, 5, D), seed=1), rand((1, 2, 5, D), seed=2))
     with pytest.raises(error, match=re.escape(message)):
         cache.attention(0, rand(q_shape, seed=3).astype(q_dtype), **options)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.int8])
+def test_cache_attention_bitwise_identical_across_threads(dtype):
+    """The splits of the key axis depend on the shapes only: the same bits on 1 thread and on
+    all of them, K read from the blocks."""
+    cache = cpuflash.KVCache(1, 1, 2, 5000, D, dtype=dtype)
+    cache.append(0, rand((1, 2, 5000, D), seed=21), rand((1, 2, 5000, D), seed=22))
+    q = rand((1, 4, 2, D), seed=23)
+    before = cpuflash.get_num_threads()
+    try:
+        outs = []
+        for n in (1, before):
+            cpuflash.set_num_threads(n)
+            outs.append(cache.attention(0, q, causal=True))
+    finally:
+        cpuflash.set_num_threads(before)
+    np.testing.assert_array_equal(outs[0], outs[1])
