@@ -129,7 +129,7 @@ def decode_case(h_kv, n_k, cache_dtype, cold=False, h_q=8, d=64, torch_run=None,
     in ``cache_dtype`` and of torch's SDPA on the float32 K/V, side by side; with the machine's
     streaming-read bandwidth for the same bytes.
 
-    ``cold``: a model's worth of layers, each with its own copy of the cache, at least
+    ``cold``: a model's worth of layers of one ``KVCache``, each holding the same K/V, at least
     ``COLD_BYTES`` together, run one after another as a forward step through a model does, so
     that K/V come from DRAM; else one layer, called again and again, which stays in the
     caches if it fits. Returns a dict: ``ms`` per layer, ``gbs`` (unique K/V bytes read per

@@ -300,8 +300,9 @@ def decode(q, k, k_strides, k_block, k_storage, prefetch, v, v_strides, k_scale_
     strides ``ks_strides``, ``vs_strides`` over (b, h, j) (``K = kf * k_scale``), or empty
     arrays when K/V are floats.
     left, right, kv_lens: the band of keys each row sees (masking.py); the splits divide the
-    array's ``n_k`` keys, and keys past a row's band are never read (a window's first chunk
-    starts at a multiple of CHUNK: up to CHUNK - 1 keys before it are read and masked).
+    array's ``n_k`` keys, and keys past the last that a row of the group sees (``kv_lens``,
+    ``causal``) are never read; a window's first chunk starts at a multiple of CHUNK, so up
+    to CHUNK - 1 keys before the band are read and masked.
     Writes per split: m_part, l_part (n_splits, B, Hq, Nq) and acc_part (..., Dv); then merges
     them into out (B, Hq, Nq, Dv) and lse (B, Hq, Nq) (``combine_row``), in this call: a
     second call would cost a dispatch and its Python, 15 us of a 0.7 ms step. The merge runs
