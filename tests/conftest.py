@@ -19,6 +19,21 @@ def rands(*shapes, dtype=np.float32, seed=1):
     return tuple(rand(shape, dtype, seed + i) for i, shape in enumerate(shapes))
 
 
+def on_threads(call, counts):
+    """``[call() for each thread count in counts]``, ``None`` standing for the count in use;
+    the kernels' thread count is restored afterwards."""
+    import cpuflash
+    before = cpuflash.get_num_threads()
+    try:
+        results = []
+        for n in counts:
+            cpuflash.set_num_threads(before if n is None else n)
+            results.append(call())
+        return results
+    finally:
+        cpuflash.set_num_threads(before)
+
+
 @pytest.fixture(params=[False, True], ids=["simd", "portable"])
 def kernels(request, monkeypatch):
     """Run a test on the SIMD kernels and on the portable pure-Numba fallback."""

@@ -4,7 +4,7 @@ import pytest
 
 import cpuflash
 from cpuflash import config, reference
-from conftest import rand, rands
+from conftest import on_threads, rand, rands
 
 BQ, BK = config.BLOCK_Q, config.BACKWARD_BLOCK_K
 
@@ -167,14 +167,7 @@ def test_plain_page_arrays(monkeypatch):
 @pytest.mark.parametrize("causal", [False, True])
 def test_bitwise_identical_across_threads_and_runs(causal):
     q, k, v, do = rands((1, 1, 150, 16), (1, 1, 600, 16), (1, 1, 600, 16), (1, 1, 150, 16))
-    before = cpuflash.get_num_threads()
-    try:
-        results = []
-        for n in (1, before, before):
-            cpuflash.set_num_threads(n)
-            results.append(grads(q, k, v, do, causal))
-    finally:
-        cpuflash.set_num_threads(before)
+    results = on_threads(lambda: grads(q, k, v, do, causal), (1, None, None))
     for r in results[1:]:
         for a, b in zip(r, results[0]):
             assert np.array_equal(a, b)

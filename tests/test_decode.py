@@ -7,7 +7,7 @@ import pytest
 import cpuflash
 from cpuflash import masks, reference
 from cpuflash._cpu import decode
-from conftest import assert_close_to_reference, rand, rands
+from conftest import assert_close_to_reference, on_threads, rand, rands
 
 
 def takes_decode_path(q, k, v, causal=False):
@@ -123,14 +123,7 @@ def test_decode_rows_that_see_no_key():
 
 def test_decode_bitwise_identical_across_threads():
     q, k, v = rands((1, 4, 1, 32), (1, 2, 5000, 32), (1, 2, 5000, 32))
-    before = cpuflash.get_num_threads()
-    try:
-        outs = []
-        for n in (1, before):
-            cpuflash.set_num_threads(n)
-            outs.append(cpuflash.attention(q, k, v))
-    finally:
-        cpuflash.set_num_threads(before)
+    outs = on_threads(lambda: cpuflash.attention(q, k, v), (1, None))
     assert np.array_equal(outs[0], outs[1])
 
 

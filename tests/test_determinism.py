@@ -8,21 +8,15 @@ import pytest
 
 import cpuflash
 from cpuflash import config
-from conftest import rands
+from conftest import on_threads, rands
 
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_bitwise_identical_for_one_and_two_threads(kernels, causal):
     q, k, v = rands((2, 4, 150, 32), (2, 2, 300, 32), (2, 2, 300, 32))
-    before = cpuflash.get_num_threads()
-    try:
-        results = []
-        for n in sorted({1, min(2, cpuflash.get_num_threads())} | {before}):
-            cpuflash.set_num_threads(n)
-            results.append(cpuflash.attention(q, k, v, causal=causal, return_lse=True))
-            results.append(cpuflash.attention(q, k, v, causal=causal, return_lse=True))
-    finally:
-        cpuflash.set_num_threads(before)
+    counts = sorted({1, min(2, cpuflash.get_num_threads()), cpuflash.get_num_threads()})
+    results = on_threads(lambda: cpuflash.attention(q, k, v, causal=causal, return_lse=True),
+                         [n for n in counts for _ in range(2)])  # each count twice
     for out, lse in results[1:]:
         assert np.array_equal(out, results[0][0]) and np.array_equal(lse, results[0][1])
 

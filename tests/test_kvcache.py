@@ -12,7 +12,7 @@ import pytest
 import cpuflash
 from cpuflash import reference
 from cpuflash._cpu import decode
-from conftest import rand
+from conftest import on_threads, rand
 
 D = 32
 
@@ -392,12 +392,5 @@ def test_cache_attention_bitwise_identical_across_threads(dtype):
     cache = cpuflash.KVCache(1, 1, 2, 5000, D, dtype=dtype)
     cache.append(0, rand((1, 2, 5000, D), seed=21), rand((1, 2, 5000, D), seed=22))
     q = rand((1, 4, 2, D), seed=23)
-    before = cpuflash.get_num_threads()
-    try:
-        outs = []
-        for n in (1, before):
-            cpuflash.set_num_threads(n)
-            outs.append(cache.attention(0, q, causal=True))
-    finally:
-        cpuflash.set_num_threads(before)
+    outs = on_threads(lambda: cache.attention(0, q, causal=True), (1, None))
     np.testing.assert_array_equal(outs[0], outs[1])

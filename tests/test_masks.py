@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 import cpuflash
 from cpuflash import reference
-from conftest import rand, rands
+from conftest import on_threads, rand, rands
 
 
 def check_all(q, k, v, dout, **opts):
@@ -141,14 +141,8 @@ def test_dropout_keeps_the_expected_value_and_repeats(n_q):
 
 def test_dropout_is_the_same_for_any_thread_count():
     q, k, v = rands((1, 2, 200, 8), (1, 2, 300, 8), (1, 2, 300, 8))
-    before = cpuflash.get_num_threads()
-    try:
-        outs = []
-        for n in (1, before):
-            cpuflash.set_num_threads(n)
-            outs.append(cpuflash.attention_vjp(q, k, v, q, dropout_p=0.3, seed=11))
-    finally:
-        cpuflash.set_num_threads(before)
+    outs = on_threads(lambda: cpuflash.attention_vjp(q, k, v, q, dropout_p=0.3, seed=11),
+                      (1, None))
     for a, b in zip(*outs):
         assert np.array_equal(a, b)
 
