@@ -394,3 +394,24 @@ def test_cache_attention_bitwise_identical_across_threads(dtype):
     q = rand((1, 4, 2, D), seed=23)
     outs = on_threads(lambda: cache.attention(0, q, causal=True), (1, None))
     np.testing.assert_array_equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("blocks", [True, False])
+def test_values_before_a_window_are_not_read(blocks):
+    """A window's first chunk starts on a multiple of CHUNK, before the band: the keys there
+    are read and masked, but their values take no part in P @ V, so a NaN value hidden from
+    every row (key 140 under a window of keys 199..299) reaches nothing; from the cache's
+    blocks and from a transposed K alike."""
+    n_k = 300
+    k, v = rand((1, 2, n_k, D), seed=31), rand((1, 2, n_k, D), seed=32)
+    v[:, :, 140] = np.nan
+    q = rand((1, 4, 1, D), seed=33)
+    if blocks:
+        cache = cpuflash.KVCache(1, 1, 2, n_k, D)
+        cache.append(0, k, v)
+        out = cache.attention(0, q, window=(100, 0))
+    else:
+        k_t = np.ascontiguousarray(k.transpose(0, 1, 3, 2)).transpose(0, 1, 3, 2)
+        out = cpuflash.attention(q, k_t, v, window=(100, 0))
+    want = reference.attention(q, k[:, :, 199:], v[:, :, 199:])
+    np.testing.assert_allclose(out, want, atol=2e-6, rtol=0)

@@ -301,8 +301,9 @@ def decode(q, k, k_strides, k_block, k_storage, prefetch, v, v_strides, k_scale_
     arrays when K/V are floats.
     left, right, kv_lens: the band of keys each row sees (masking.py); the splits divide the
     array's ``n_k`` keys, and keys past the last that a row of the group sees (``kv_lens``,
-    ``causal``) are never read; a window's first chunk starts at a multiple of CHUNK, so up
-    to CHUNK - 1 keys before the band are read and masked.
+    ``causal``) are never read, nor values before the first; a window's first chunk starts at
+    a multiple of CHUNK, so up to CHUNK - 1 keys before the band are read, their scores
+    masked.
     Writes per split: m_part, l_part (n_splits, B, Hq, Nq) and acc_part (..., Dv); then merges
     them into out (B, Hq, Nq, Dv) and lse (B, Hq, Nq) (``combine_row``), in this call: a
     second call would cost a dispatch and its Python, 15 us of a 0.7 ms step. The merge runs
@@ -354,7 +355,10 @@ def decode(q, k, k_strides, k_block, k_storage, prefetch, v, v_strides, k_scale_
         j_start = max(split * split_len, first_r[0])
         j_stop = min(split * split_len + split_len, last_r[n_q - 1] + 1)
         # Chunks start on multiples of CHUNK (whole blocks of KVCache's K): a window's first
-        # chunk begins up to CHUNK - 1 keys before its band, which are masked.
+        # chunk begins up to CHUNK - 1 keys before the band. Their scores are masked, and
+        # P @ V starts at the band (``j_first``): values no row sees are never read, and a
+        # NaN among them cannot reach the output as 0 * NaN.
+        j_first = j_start
         if j_start < j_stop:
             j_start = j_start // CHUNK * CHUNK
         k_head = b * k_strides[0] + hk * k_strides[1]
@@ -406,20 +410,21 @@ def decode(q, k, k_strides, k_block, k_storage, prefetch, v, v_strides, k_scale_
                 if quantized:  # P @ (V_int8 * v_scale) as (P * v_scale) @ V_int8
                     scale_scores(s, row, v_scale, vs_head + c0 * vs_strides[2],
                                  vs_strides[2], n_c)
+            skip = max(0, j_first - c0)  # keys before the band: first chunk only
             if tiled:
-                v_off = v_head + c0 * v_strides[2]
+                v_off = v_head + (c0 + skip) * v_strides[2]
                 if prefetch:
-                    tile_product_ahead(pv, 0, ld, s, 0, CHUNK, 1, vf, v_off, v_strides[2],
-                                       rows, dv, n_c, AHEAD * CHUNK * v_strides[2])
+                    tile_product_ahead(pv, 0, ld, s, skip, CHUNK, 1, vf, v_off, v_strides[2],
+                                       rows, dv, n_c - skip, AHEAD * CHUNK * v_strides[2])
                 else:
-                    tile_product(pv, 0, ld, s, 0, CHUNK, 1, vf, v_off, v_strides[2], 1,
-                                 rows, dv, n_c, False, False)
+                    tile_product(pv, 0, ld, s, skip, CHUNK, 1, vf, v_off, v_strides[2], 1,
+                                 rows, dv, n_c - skip, False, False)
                 rescale_add(acc, pv, ld, rows, alpha_i, False)
             else:
                 for r in range(rows):
                     for c in range(dv):
                         acc[r * ld + c] *= alpha_i[r]
-                    for jj in range(n_c):
+                    for jj in range(skip, n_c):
                         axpy_row(acc, r * ld, s[r * CHUNK + jj], vf,
                                  v_head + (c0 + jj) * v_strides[2], dv, dv_vec)
         for g in range(group):
