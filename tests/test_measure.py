@@ -1,9 +1,11 @@
 """The bench's measuring helpers: one reference for several outputs, memory probes side by
-side in the order asked, and the default/long case lists of `cpuflash bench`."""
+side in the order asked, and the default/long case lists of `cpuflash bench`; the streaming read
+the decode benchmarks hold a step to."""
 import numpy as np
 import pytest
 
 from cpuflash import _measure, cli, reference
+from conftest import on_threads
 
 
 def test_one_reference_judges_each_output_alone():
@@ -52,3 +54,19 @@ def test_long_sweep_holds_the_defaults():
     assert set(cli.DEFAULT_SHAPES) <= set(cli.LONG_SHAPES)
     assert set(cli.BACKWARD_SHAPES) <= set(cli.LONG_BACKWARD_SHAPES)
     assert set(cli.DECODE_CASES) <= set(cli.LONG_DECODE_CASES)
+
+
+@pytest.mark.parametrize("n", [0, 1, 63, 64, 2 * 64 + 5, 10_000 + 17])
+def test_stream_sum_reads_every_element(n):
+    # Small integers: every partial sum is exact in float32, so any split over the threads
+    # gives numpy's sum; a skipped or twice-read element, or a lost tail, would not.
+    from cpuflash._cpu.stream import stream_sum
+    x = np.arange(n, dtype=np.float32) % 7 + 1
+    expected = float(x.astype(np.float64).sum())
+    assert on_threads(lambda: stream_sum(x), (1, 2)) == [expected, expected]
+
+
+def test_stream_reader_reads_the_bytes_it_reports():
+    read, n_read = _measure.stream_reader(1 << 20)
+    assert n_read == 1 << 20
+    assert read() == n_read // 4  # a buffer of ones

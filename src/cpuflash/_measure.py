@@ -194,8 +194,10 @@ def stream_reader(nbytes):
     """``(read, nbytes_read)``: a zero-argument callable that makes the machine's parallel
     streaming read of a buffer of about ``nbytes`` (one vector sum per thread, the threads of
     the kernels), and the bytes it reads."""
-    from ._cpu.stream import BLOCK, stream_sum
-    buf = np.ones(-(-max(nbytes // 4, 1) // BLOCK) * BLOCK, dtype=np.float32)
+    from ._cpu.pack import on_line
+    from ._cpu.stream import stream_sum
+    buf = on_line((max(nbytes // 4, 1),), np.float32)  # on a cache line, as KVCache's arrays
+    buf[:] = 1.0
     return (lambda: stream_sum(buf)), buf.nbytes
 
 
