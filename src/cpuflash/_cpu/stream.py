@@ -7,12 +7,19 @@ from . import simd
 from ._jit import kernel
 
 
-@kernel
 def stream_sum(x):
-    """Sum of the float32 ``x`` (any length), read once: each thread one contiguous part, four
-    vector accumulators to hide the add latency, the tail past the last group of four vectors
-    added on this thread. The sum only keeps the reads from being optimized away; how the
-    parts are rounded depends on the thread count.
+    """Sum of the float32 ``x`` (any length), read once by the kernels' threads
+    (``read_sum``)."""
+    return read_sum(x, numba.get_num_threads())
+
+
+@kernel
+def read_sum(x, n_parts):
+    """Sum of the float32 ``x`` (any length), read once in ``n_parts`` contiguous parts, one a
+    thread (the thread count: asked for inside, it would keep Numba from caching the kernel);
+    four vector accumulators hide the add latency, and the tail past the last group of four
+    vectors is added on this thread. The sum only keeps the reads from being optimized away;
+    how the parts are rounded depends on ``n_parts``.
 
     The step and the offsets of the inner loop are computed inside the ``prange`` body on
     purpose. Numba outlines that body into a function of its own, and any variable defined
@@ -22,7 +29,6 @@ def stream_sum(x):
     two loops in alternation): 29-44 GB/s against 32-52, 20-30 % slower in fast spells. Until
     stop 38 the decode benchmarks' streaming read was that slow loop (over blocks of 64 KiB),
     so their "of stream" shares were too high by as much."""
-    n_parts = numba.get_num_threads()
     n_steps = x.size // (4 * simd.lanes_of(x))  # groups of four vectors
     per_part = n_steps // n_parts
     partial = np.zeros(n_parts, dtype=np.float64)
