@@ -5,16 +5,17 @@ tiled kernel does) would read them twice. Here every task takes one split of the
 one kv head and all the query rows of its GQA group (``group * Nq`` rows), so each K/V byte is
 read once per call, straight from the caller's array (rows must be unit-stride):
 
-    for each chunk of CHUNK keys in the split:
+    for each chunk of ``chunk`` keys in the split (``chunk_keys``):
         s[r, :] = q_r . k_j                  # one vector dot product per (row, key)
         online softmax over the chunk        # as the tiled kernel, base 2
         acc[r] = alpha * acc[r] + sum_j p[r, j] * v_j
 
 With K transposed, or in KVCache's blocks of KEY_BLOCK keys (each their K^T, contiguous), a
-chunk's scores are a tile product over all D rows of K^T (``transposed_scores``). Both
-products hint the rows they will read ``AHEAD`` chunks later into L2, and a transposed K of
-whole rows is also hinted a block ahead a few rows at a time (``HINT_BLOCK``), so that K/V
-stream in while the core computes on the current chunk.
+chunk's scores are a tile product over all D rows of K^T (``transposed_scores``). Where K is
+stored in float16 or int8, or transposed in whole rows, both products hint the rows they
+will read ``AHEAD * CHUNK`` keys later into L2, and a transposed K of whole rows is also
+hinted a block ahead a few rows at a time (``HINT_BLOCK``), so that K/V stream in while the
+core computes on the current chunk (``hinted``).
 
 Each split leaves ``m``, ``l`` and an unnormalized ``acc``; ``combine_row`` merges the splits
 in split order (``out = sum_s acc_s 2^(m_s - M) / sum_s l_s 2^(m_s - M)``). The number of splits
@@ -39,10 +40,21 @@ from .tiles import online_softmax, rescale_add, tile_product, tile_product_ahead
 
 LN2 = math.log(2.0)
 LOG2_E = 1.0 / LN2
-# Keys per online-softmax step: the per-step work (row max, rescale of the accumulators, the
-# P @ V call) is paid once per chunk (measured at Nk = 32768: 16 keys 51 ns/key, 128 keys
-# 28 ns/key with the folded dot products). A multiple of every lane count.
+# Keys per online-softmax step (``chunk_keys``): a multiple of CHUNK, as many as keep a chunk's
+# scores within CHUNK_SCORES elements (16 KiB of float32: half of L1), at most MAX_CHUNK. The
+# per-step work (row max, rescale of the accumulators, the P @ V call) is paid once per chunk
+# (measured at Nk = 32768: 16 keys 51 ns/key, 128 keys 28 ns/key with the folded dot
+# products). A chunk reads its keys' K, then their V: the longer the chunk, the longer each of
+# the two streams runs before the other takes over, and from DRAM that is what counted. On the
+# Zen 4 (stop 38, Hkv=2, Nk=32768, 4 rows, 19 layers from DRAM, one process, rounds side by
+# side with a streaming read; GB/s): chunks of 128 keys with the hints 27.4, of 1024 without
+# them 35.9 (the read at 51); in a slower spell 26.9 against 29.7, 1024 and 2048 keys alike
+# (30.3). A model of the loop that read K and V with 4 FMAs a line and no softmax: phases of
+# 128 keys 31.6, of 1024 39.8, one stream 44.8 GB/s. CHUNK itself is the granule: splits are
+# whole multiples of it, chunks start on them, and a multiple of every lane count.
 CHUNK = 128
+MAX_CHUNK = 1024
+CHUNK_SCORES = 4096
 # Keys in a block of KVCache's K: each block is its keys' K^T, (D, KEY_BLOCK) in one piece, and
 # a chunk is CHUNK // KEY_BLOCK blocks in a row. 64 float32 keys are the columns of one
 # micro-kernel call (``tiles.MAX_VECS`` vectors of 16 lanes), which then reads its block from
@@ -51,8 +63,14 @@ CHUNK = 128
 # model of the loop over K from DRAM, Hkv=2, Nk=32768, rounds side by side in one process):
 # 27.8 against 23.4 GB/s, faster in 10 of 10 rounds; 28.5 against 27.1, 11 of 12.
 KEY_BLOCK = 64
-# Chunks ahead that K^T's and V's rows are hinted into L2, one line per line read, spread over
-# the tile products (simd.PREFETCH_LOCALITY). A step from DRAM is bound by the memory, and the
+# How far ahead (``AHEAD * CHUNK`` keys) K^T's and V's rows are hinted into L2, one line per
+# line read, spread over the tile products (simd.PREFETCH_LOCALITY), where ``hinted`` says so.
+# Since stop 38 not for K in the compute dtype, by rows or in KVCache's blocks: with chunks of
+# up to 1024 keys the hardware prefetcher streams them better alone (float32 from DRAM, the
+# measurements of MAX_CHUNK: 1024 keys with hints 30.5 GB/s, without 35.9; a row-major K
+# through ``attention``: 23.3 against 25.7, chunks of 128 with hints 19.0). float16 and int8
+# keep them (float16 1024 keys without 20.1 GB/s, with 32.0; 128 keys with 29.1), and so does
+# a transposed K of whole rows (without 17.6, with 23.0). The history: A step from DRAM is bound by the memory, and the
 # hardware prefetcher alone does not keep enough lines in flight while the core computes: the
 # 64 rows of K^T are 64 streams, more than it follows, and sweeps of several thousand keys 8
 # rows at a time (stops 20-32) read each stream longer but summed the scores in 8 passes
@@ -92,6 +110,19 @@ TASKS = 16  # keeps up to 16 threads busy where the keys allow it
 MAX_SPLITS = 64  # caps the partial results at 64 * (B, Hq, Nq, Dv), whatever Nk
 MAX_NQ = 16            # attention() takes this path for Nq up to this
 SERIAL_COMBINE = 1 << 18  # partial-output elements up to which the merge runs on one thread
+
+
+def chunk_keys(rows):
+    """Keys per online-softmax step for ``rows`` query rows: a multiple of CHUNK, the most
+    whose scores fit in ``CHUNK_SCORES``, at most ``MAX_CHUNK``."""
+    return max(CHUNK, min(MAX_CHUNK, CHUNK_SCORES // rows // CHUNK * CHUNK))
+
+
+def hinted(k_storage, whole_rows_transposed):
+    """Whether the kernel hints K and V ahead (``AHEAD``): for K in a storage type (float16,
+    int8) and for a transposed K of whole rows, not for K in the compute dtype by rows or in
+    KVCache's blocks."""
+    return PREFETCH and (k_storage or whole_rows_transposed)
 
 
 def split_count(n_b, n_hkv, n_k):
@@ -159,8 +190,8 @@ def convert_rows(dst, src, src_off, src_step, n, d, d_vec):
 
 
 @helper
-def chunk_scores(s, q_s, rows, d, d_vec, kf, k_off, k_step, n_c, k_buf):
-    """``s[r, jj] = q_r . k_(jj)`` for ``jj < n_c`` (rows ``CHUNK`` apart in ``s``), the key
+def chunk_scores(s, ld, q_s, rows, d, d_vec, kf, k_off, k_step, n_c, k_buf):
+    """``s[r, jj] = q_r . k_(jj)`` for ``jj < n_c`` (rows ``ld`` apart in ``s``), the key
     ``jj`` at ``kf[k_off + jj*k_step:]``. Whole groups of ``W`` keys by ``vdot_keys`` (keys in
     the inner loop of each group: its K rows are read from memory once, then from L1 for the
     other rows), the rest and any head-dim tail by scalar dot products.
@@ -175,19 +206,18 @@ def chunk_scores(s, q_s, rows, d, d_vec, kf, k_off, k_step, n_c, k_buf):
         if staged:
             convert_rows(k_buf, kf, k_off + jj * k_step, k_step, lanes, d, d_vec)
             for r in range(rows):
-                simd.vstore(s, r * CHUNK + jj, simd.vdot_keys(q_s, r * d, k_buf, 0, d, d_vec))
+                simd.vstore(s, r * ld + jj, simd.vdot_keys(q_s, r * d, k_buf, 0, d, d_vec))
         else:
             for r in range(rows):
-                simd.vstore(s, r * CHUNK + jj, simd.vdot_keys(q_s, r * d, kf,
-                                                              k_off + jj * k_step, k_step,
-                                                              d_vec))
+                simd.vstore(s, r * ld + jj, simd.vdot_keys(q_s, r * d, kf, k_off + jj * k_step,
+                                                           k_step, d_vec))
     for r in range(rows):
         if d_vec < d:
             for jj in range(n_full):
-                s[r * CHUNK + jj] += dot_rows(q_s, r * d + d_vec, kf,
-                                              k_off + jj * k_step + d_vec, d - d_vec, 0)
+                s[r * ld + jj] += dot_rows(q_s, r * d + d_vec, kf,
+                                           k_off + jj * k_step + d_vec, d - d_vec, 0)
         for jj in range(n_full, n_c):
-            s[r * CHUNK + jj] = dot_rows(q_s, r * d, kf, k_off + jj * k_step, d, d_vec)
+            s[r * ld + jj] = dot_rows(q_s, r * d, kf, k_off + jj * k_step, d, d_vec)
 
 
 @helper
@@ -229,8 +259,8 @@ def hint_next_block(kf, k_head, k_step, d, c0, j_start, j_stop):
 
 
 @helper
-def transposed_scores(s, q_s, rows, d, kf, k_off, k_step, k_block, n_c, ahead):
-    """``s[r, jj] = q_r . k_jj`` for ``jj < n_c`` (rows ``CHUNK`` apart in ``s``) of a
+def transposed_scores(s, ld, q_s, rows, d, kf, k_off, k_step, k_block, n_c, ahead):
+    """``s[r, jj] = q_r . k_jj`` for ``jj < n_c`` (rows ``ld`` apart in ``s``) of a
     transposed K: dim ``dd`` of key ``jj = KEY_BLOCK * n + t`` at ``kf[k_off + n*k_block + t +
     dd*k_step]``. A tile product over all ``d`` rows of K^T per block of keys for their whole
     vectors, each row it reads also hinted ``ahead`` elements further on (none if 0: see
@@ -240,14 +270,14 @@ def transposed_scores(s, q_s, rows, d, kf, k_off, k_step, k_block, n_c, ahead):
         at = k_off + first // KEY_BLOCK * k_block
         cols = min(KEY_BLOCK, n_vec - first)
         if ahead > 0:
-            tile_product_ahead(s, first, CHUNK, q_s, 0, d, 1, kf, at, k_step, rows, cols, d,
+            tile_product_ahead(s, first, ld, q_s, 0, d, 1, kf, at, k_step, rows, cols, d,
                                ahead)
         else:
-            tile_product(s, first, CHUNK, q_s, 0, d, 1, kf, at, k_step, 1, rows, cols, d,
+            tile_product(s, first, ld, q_s, 0, d, 1, kf, at, k_step, 1, rows, cols, d,
                          False, False)
     for r in range(rows):
         for jj in range(n_vec, n_c):
-            s[r * CHUNK + jj] = dot_strided(
+            s[r * ld + jj] = dot_strided(
                 q_s, r * d, kf, k_off + jj // KEY_BLOCK * k_block + jj % KEY_BLOCK, k_step, d)
 
 
@@ -281,8 +311,8 @@ def combine_row(m_part, l_part, acc_part, out, lse, b, h, i):
 @kernel(strided=("q", "k", "v", "k_scale_4", "v_scale_4", "mask_bools", "mask_adds"),
         read_only=("kv_lens", "slopes2"))
 def decode(q, k, k_strides, k_block, k_storage, prefetch, v, v_strides, k_scale_4,
-           ks_strides, v_scale_4, vs_strides, n_hkv, n_k, d, dv, n_splits, scale2, left, right,
-           kv_lens, softcap2, slopes2, mask_bools, mask_adds, mask_is_bool, mask_given,
+           ks_strides, v_scale_4, vs_strides, n_hkv, n_k, d, dv, n_splits, chunk, scale2, left,
+           right, kv_lens, softcap2, slopes2, mask_bools, mask_adds, mask_is_bool, mask_given,
            drop_below, seed, m_part, l_part, acc_part, out, lse, serial_merge):
     """q: (B, Hq, Nq, D) any strides, compute dtype. k, v: 4-D arrays in their storage type
     (the compute dtype, float16 bits as uint16, or int8), read through 1-D views ``kf``,
@@ -337,7 +367,7 @@ def decode(q, k, k_strides, k_block, k_storage, prefetch, v, v_strides, k_scale_
             for i in range(n_q):
                 for dd in range(d):
                     q_s[(g * n_q + i) * d + dd] = q[b, hk * group + g, i, dd] * scale2
-        s = scratch(rows * CHUNK, acc_part)  # a chunk's scores
+        s = scratch(rows * chunk, acc_part)  # a chunk's scores, rows ``chunk`` apart
         m_i = np.full(rows, -np.inf, dtype=acc_part.dtype)
         l_i = np.zeros(rows, dtype=acc_part.dtype)
         l_tile = np.empty(rows, dtype=acc_part.dtype)
@@ -365,46 +395,48 @@ def decode(q, k, k_strides, k_block, k_storage, prefetch, v, v_strides, k_scale_
         v_head = b * v_strides[0] + hk * v_strides[1]
         ks_head = b * ks_strides[0] + hk * ks_strides[1]
         vs_head = b * vs_strides[0] + hk * vs_strides[1]
-        for c0 in range(j_start, j_stop, CHUNK):
-            n_c = min(CHUNK, j_stop - c0)
+        for c0 in range(j_start, j_stop, chunk):
+            n_c = min(chunk, j_stop - c0)
             k_chunk = k_head + c0 // KEY_BLOCK * k_block
             if keys_unit:
                 if prefetch and not blocked:
-                    hint_next_block(kf, k_head, k_strides[3], d, c0, j_start, j_stop)
-                transposed_scores(s, q_s, rows, d, kf, k_chunk, k_strides[3], k_block, n_c,
-                                  AHEAD * CHUNK // KEY_BLOCK * k_block if prefetch else 0)
+                    for c1 in range(c0, c0 + n_c, CHUNK):
+                        hint_next_block(kf, k_head, k_strides[3], d, c1, j_start, j_stop)
+                transposed_scores(s, chunk, q_s, rows, d, kf, k_chunk, k_strides[3], k_block,
+                                  n_c, AHEAD * CHUNK // KEY_BLOCK * k_block if prefetch else 0)
             else:
-                chunk_scores(s, q_s, rows, d, d_vec, kf, k_chunk, k_strides[2], n_c, k_buf)
+                chunk_scores(s, chunk, q_s, rows, d, d_vec, kf, k_chunk, k_strides[2], n_c,
+                             k_buf)
             for r in range(rows):
-                row = r * CHUNK
+                row = r * chunk
                 if quantized:
                     scale_scores(s, row, k_scale, ks_head + c0 * ks_strides[2],
                                  ks_strides[2], n_c)
                 i = r % n_q
                 h = hk * group + r // n_q
                 if modify:
-                    modify_row(s, row, CHUNK, i + kv_len - n_q, c0, softcap2,
+                    modify_row(s, row, chunk, i + kv_len - n_q, c0, softcap2,
                                slopes2[b, h], no_t, False)
                 if mask_given:
                     # (its row max unused: l_tile is scratch)
-                    apply_user_mask(s, row, CHUNK, 1, mask_bools, mask_adds, mask_is_bool, b,
+                    apply_user_mask(s, row, chunk, 1, mask_bools, mask_adds, mask_is_bool, b,
                                     h, i, c0, n_c, LOG2_E, l_tile)
                 # Masked after the modifiers, as the tiled kernel; a chunk inside the row's
                 # band (the common case) needs only its tail past n_c.
                 if first_r[r] <= c0 and c0 + n_c - 1 <= last_r[r]:
-                    for jj in range(n_c, CHUNK):
+                    for jj in range(n_c, chunk):
                         s[row + jj] = -np.inf
                 else:
-                    for jj in range(CHUNK):
+                    for jj in range(chunk):
                         if not (jj < n_c and first_r[r] <= c0 + jj <= last_r[r]):
                             s[row + jj] = -np.inf
-            online_softmax(s, 0, CHUNK, CHUNK, rows, m_i, l_tile, alpha_i, l_tile, False,
+            online_softmax(s, 0, chunk, chunk, rows, m_i, l_tile, alpha_i, l_tile, False,
                            False, False)  # scores in base 2
             for r in range(rows):
-                row = r * CHUNK
+                row = r * chunk
                 l_i[r] = alpha_i[r] * l_i[r] + l_tile[r]
                 if drop_below > 0:
-                    dropout_row(s, row, CHUNK, seed,
+                    dropout_row(s, row, chunk, seed,
                                 (b * n_hq + hk * group + r // n_q) * n_q + r % n_q, c0,
                                 drop_below, inv_keep)
                 if quantized:  # P @ (V_int8 * v_scale) as (P * v_scale) @ V_int8
@@ -414,10 +446,10 @@ def decode(q, k, k_strides, k_block, k_storage, prefetch, v, v_strides, k_scale_
             if tiled:
                 v_off = v_head + (c0 + skip) * v_strides[2]
                 if prefetch:
-                    tile_product_ahead(pv, 0, ld, s, skip, CHUNK, 1, vf, v_off, v_strides[2],
+                    tile_product_ahead(pv, 0, ld, s, skip, chunk, 1, vf, v_off, v_strides[2],
                                        rows, dv, n_c - skip, AHEAD * CHUNK * v_strides[2])
                 else:
-                    tile_product(pv, 0, ld, s, skip, CHUNK, 1, vf, v_off, v_strides[2], 1,
+                    tile_product(pv, 0, ld, s, skip, chunk, 1, vf, v_off, v_strides[2], 1,
                                  rows, dv, n_c - skip, False, False)
                 rescale_add(acc, pv, ld, rows, alpha_i, False)
             else:
@@ -425,7 +457,7 @@ def decode(q, k, k_strides, k_block, k_storage, prefetch, v, v_strides, k_scale_
                     for c in range(dv):
                         acc[r * ld + c] *= alpha_i[r]
                     for jj in range(skip, n_c):
-                        axpy_row(acc, r * ld, s[r * CHUNK + jj], vf,
+                        axpy_row(acc, r * ld, s[r * chunk + jj], vf,
                                  v_head + (c0 + jj) * v_strides[2], dv, dv_vec)
         for g in range(group):
             for i in range(n_q):
@@ -544,6 +576,7 @@ def run_decode(q, k, v, scale, band, mods, user_mask, drop, out=None, kv_scales=
     else:  # read in place, as K and V (a trailing unit axis stands in for the head dim)
         (k_scale, ks_strides), (v_scale, vs_strides) = (_scales_4d(x) for x in kv_scales)
     n_splits = split_count(n_b, n_hkv, n_k)
+    chunk = chunk_keys(n_hq // n_hkv * n_q)
     m_part = np.empty((n_splits, n_b, n_hq, n_q), dtype=dtype)
     l_part = np.empty((n_splits, n_b, n_hq, n_q), dtype=dtype)
     acc_part = np.empty((n_splits, n_b, n_hq, n_q, dv), dtype=dtype)
@@ -551,9 +584,10 @@ def run_decode(q, k, v, scale, band, mods, user_mask, drop, out=None, kv_scales=
         out = np.empty((n_b, n_hq, n_q, dv), dtype=dtype)
     if lse is None:
         lse = np.empty((n_b, n_hq, n_q), dtype=dtype)
-    decode(q, k_store, k_steps, k_block, k.dtype != dtype, PREFETCH, v_store, v_steps, k_scale,
-           ks_strides, v_scale, vs_strides, n_hkv, n_k, d, dv, n_splits, scale * LOG2_E, left,
-           right, kv_lens, softcap2, slopes2, *user_mask.kernel_args(), user_mask.given,
-           drop[0], drop[1], m_part, l_part, acc_part, out, lse,
-           acc_part.size <= SERIAL_COMBINE)
+    k_storage = k.dtype != dtype
+    prefetch = hinted(k_storage, k_steps[3] != 1 and k_block == KEY_BLOCK * k_steps[2])
+    decode(q, k_store, k_steps, k_block, k_storage, prefetch, v_store, v_steps, k_scale,
+           ks_strides, v_scale, vs_strides, n_hkv, n_k, d, dv, n_splits, chunk, scale * LOG2_E,
+           left, right, kv_lens, softcap2, slopes2, *user_mask.kernel_args(), user_mask.given,
+           drop[0], drop[1], m_part, l_part, acc_part, out, lse, acc_part.size <= SERIAL_COMBINE)
     return out, lse
