@@ -62,8 +62,9 @@ def test_split_count(n_b, n_hkv):
 def test_chunk_lengths_with_every_option(max_chunk, n_q, monkeypatch):
     """Several chunks a split, of each length the chunk rule can pick (with 3 query rows a
     group of 2 heads has 6 rows: 640 keys under a cap of 1024), a ragged last one and a
-    window's first one aligned before its band, with every option the decode path takes,
-    against the reference: a chunk's length changes only the roundings."""
+    window's first one aligned before its band, with every option the decode path takes
+    (dropout's keep/drop of a key is a function of its row and key, not of the chunk), against
+    the reference: a chunk's length changes only the roundings."""
     monkeypatch.setattr(decode, "MAX_CHUNK", max_chunk)
     n_b, n_hkv, n_hq, n_k = 2, 8, 16, 3000
     assert decode.split_count(n_b, n_hkv, n_k) == 1  # 16 tasks already: one split of 3072
@@ -72,7 +73,7 @@ def test_chunk_lengths_with_every_option(max_chunk, n_q, monkeypatch):
     k, v = rand((n_b, n_hkv, n_k, 16), seed=2), rand((n_b, n_hkv, n_k, 16), seed=3)
     mask = np.random.default_rng(4).random((n_b, n_hq, n_q, n_k)) < 0.9
     opts = dict(causal=True, window=(1900, 0), kv_lens=np.array([3000, 2222]), softcap=3.0,
-                alibi_slopes=np.linspace(0.001, 0.01, n_hq), mask=mask)
+                alibi_slopes=np.linspace(0.001, 0.01, n_hq), mask=mask, dropout_p=0.2, seed=5)
     assert takes_decode_path(q, k, v, causal=True)
     out = cpuflash.attention(q, k, v, **opts)
     np.testing.assert_allclose(out, reference.attention(q, k, v, **opts), rtol=2e-5, atol=2e-6)
