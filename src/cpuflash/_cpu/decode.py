@@ -89,6 +89,7 @@ KEY_BLOCK = 64
 # 1.14-1.32, 1.21-1.47 ms).
 AHEAD = 2
 PREFETCH = True  # the hints (a switch for the tests: the same bits without)
+HINT_K, HINT_V = 1, 2  # the kernel's ``prefetch`` bits (``hinted``)
 # A transposed K of whole rows (not KVCache's blocks, which are one stream a chunk already) is
 # also hinted a block of HINT_BLOCK keys ahead in the order the hardware prefetcher
 # follows (a few long streams, not 64 short ones): with the chunk that is the i-th of its
@@ -119,11 +120,15 @@ def chunk_keys(rows):
     return max(CHUNK, min(MAX_CHUNK, CHUNK_SCORES // rows // CHUNK * CHUNK))
 
 
-def hinted(k_storage, whole_rows_transposed):
-    """Whether the kernel hints K and V ahead (``AHEAD``): for K in a storage type (float16,
-    int8) and for a transposed K of whole rows, not for K in the compute dtype by rows or in
-    KVCache's blocks."""
-    return PREFETCH and (k_storage or whole_rows_transposed)
+def hinted(k_storage, keys_unit, blocked):
+    """What the kernel hints ahead (``AHEAD``), as ``HINT_K | HINT_V`` bits: both for K in a
+    storage type (float16, int8) or transposed in whole rows; K alone for K in the compute
+    dtype in KVCache's blocks; neither for K in the compute dtype by rows."""
+    if not PREFETCH:
+        return 0
+    if k_storage or (keys_unit and not blocked):
+        return HINT_K | HINT_V
+    return HINT_K if blocked else 0
 
 
 def split_count(n_b, n_hkv, n_k):
@@ -325,8 +330,9 @@ def decode(q, k, k_strides, k_block, k_storage, prefetch, v, v_strides, k_scale_
     block stride (``block_layout``). ``s3 = 1``: rows of K contiguous, scores by
     ``vdot_keys``; ``s2 = 1``: keys contiguous, scores by the tile product. v: (B, Hkv, Nk,
     Dv), ``v_strides`` as K's with ``s3 = 1``. ``k_storage``: whether K is in a storage type
-    (not the compute dtype). ``prefetch``: whether the tile products hint K and V ``AHEAD``
-    chunks ahead (and a transposed K not in blocks is hinted ``HINT_BLOCK`` keys ahead).
+    (not the compute dtype). ``prefetch``: ``HINT_K``, ``HINT_V`` bits (``hinted``): the
+    scores' and P @ V's tile products hint K's and V's rows ``AHEAD * CHUNK`` keys ahead (and
+    with ``HINT_K`` a transposed K not in blocks is hinted ``HINT_BLOCK`` keys ahead).
     k_scale, v_scale: int8 dequantization scales as (B, Hkv, Nk, 1), read as K and V are, with
     strides ``ks_strides``, ``vs_strides`` over (b, h, j) (``K = kf * k_scale``), or empty
     arrays when K/V are floats.
@@ -400,11 +406,12 @@ def decode(q, k, k_strides, k_block, k_storage, prefetch, v, v_strides, k_scale_
             n_c = min(chunk, j_stop - c0)
             k_chunk = k_head + c0 // KEY_BLOCK * k_block
             if keys_unit:
-                if prefetch and not blocked:
+                if prefetch & HINT_K and not blocked:
                     for c1 in range(c0, c0 + n_c, CHUNK):
                         hint_next_block(kf, k_head, k_strides[3], d, c1, j_start, j_stop)
                 transposed_scores(s, chunk, q_s, rows, d, kf, k_chunk, k_strides[3], k_block,
-                                  n_c, AHEAD * CHUNK // KEY_BLOCK * k_block if prefetch else 0)
+                                  n_c, AHEAD * CHUNK // KEY_BLOCK * k_block
+                                  if prefetch & HINT_K else 0)
             else:
                 chunk_scores(s, chunk, q_s, rows, d, d_vec, kf, k_chunk, k_strides[2], n_c,
                              k_buf)
@@ -446,7 +453,7 @@ def decode(q, k, k_strides, k_block, k_storage, prefetch, v, v_strides, k_scale_
             skip = max(0, j_first - c0)  # keys before the band: first chunk only
             if tiled:
                 v_off = v_head + (c0 + skip) * v_strides[2]
-                if prefetch:
+                if prefetch & HINT_V:
                     tile_product_ahead(pv, 0, ld, s, skip, chunk, 1, vf, v_off, v_strides[2],
                                        rows, dv, n_c - skip, AHEAD * CHUNK * v_strides[2])
                 else:
@@ -586,7 +593,7 @@ def run_decode(q, k, v, scale, band, mods, user_mask, drop, out=None, kv_scales=
     if lse is None:
         lse = np.empty((n_b, n_hq, n_q), dtype=dtype)
     k_storage = k.dtype != dtype
-    prefetch = hinted(k_storage, k_steps[3] != 1 and k_block == KEY_BLOCK * k_steps[2])
+    prefetch = hinted(k_storage, k_steps[3] != 1, k_block != KEY_BLOCK * k_steps[2])
     decode(q, k_store, k_steps, k_block, k_storage, prefetch, v_store, v_steps, k_scale,
            ks_strides, v_scale, vs_strides, n_hkv, n_k, d, dv, n_splits, chunk, scale * LOG2_E,
            left, right, kv_lens, softcap2, slopes2, *user_mask.kernel_args(), user_mask.given,
