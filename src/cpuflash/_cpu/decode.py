@@ -11,11 +11,12 @@ read once per call, straight from the caller's array (rows must be unit-stride):
         acc[r] = alpha * acc[r] + sum_j p[r, j] * v_j
 
 With K transposed, or in KVCache's blocks of KEY_BLOCK keys (each their K^T, contiguous), a
-chunk's scores are a tile product over all D rows of K^T (``transposed_scores``). Where K is
-stored in float16 or int8, or transposed in whole rows, both products hint the rows they
-will read ``AHEAD * CHUNK`` keys later into L2, and a transposed K of whole rows is also
-hinted a block ahead a few rows at a time (``HINT_BLOCK``), so that K/V stream in while the
-core computes on the current chunk (``hinted``).
+chunk's scores are a tile product over all D rows of K^T (``transposed_scores``). The
+products hint the rows they will read ``AHEAD * CHUNK`` keys later into L2, so that K/V stream
+in while the core computes on the current chunk: K and V where K is stored in float16 or int8
+or transposed in whole rows (which is also hinted a block ahead a few rows at a time,
+``HINT_BLOCK``), K alone for KVCache's blocks in the compute dtype, neither for K by rows in
+the compute dtype (``hinted``).
 
 Each split leaves ``m``, ``l`` and an unnormalized ``acc``; ``combine_row`` merges the splits
 in split order (``out = sum_s acc_s 2^(m_s - M) / sum_s l_s 2^(m_s - M)``). The number of splits
@@ -65,28 +66,30 @@ CHUNK_SCORES = 4096
 KEY_BLOCK = 64
 # How far ahead (``AHEAD * CHUNK`` keys) K^T's and V's rows are hinted into L2, one line per line
 # read, spread over the tile products (simd.PREFETCH_LOCALITY), where ``hinted`` says so. Since
-# stop 38 not for K in the compute dtype, by rows or in KVCache's blocks: with chunks of up to
-# 1024 keys the hardware prefetcher streams them better alone (float32 from DRAM, the
-# measurements of MAX_CHUNK: 1024 keys with hints 30.5 GB/s, without 35.9; a row-major K through
-# ``attention``: 23.3 against 25.7, chunks of 128 with hints 19.0). float16 and int8 keep them
-# (float16 1024 keys without 20.1 GB/s, with 32.0; 128 keys with 29.1), and so does a transposed
-# K of whole rows (without 17.6, with 23.0). Before (chunks of 128 keys): a step from DRAM is
-# bound by the memory, and the hardware prefetcher alone did not keep enough lines in flight
-# while the core computed: the 64 rows of K^T are 64 streams, more than it follows, and sweeps of
-# several thousand keys 8 rows at a time (stops 20-32) read each stream longer but summed the
-# scores in 8 passes through memory (10 ns a key against 5 in one pass, keys in L2). Measured
-# (stop 33, Zen 4, Hkv=2, Nk=32768, the step's share of a streaming read of the same bytes timed
-# in alternation with it (the slow read of stops up to 37), medians of 8 rounds; old kernel /
-# this one, two processes each): float32 from DRAM 60-61 % / 71-78 %, hot 30-38 % / 53-56 %;
-# float16 from DRAM 38-54 % / 67-72 %; int8 (a chunk at a time before too, hinted into L1) 24-31
-# % / 45 %. Hints two chunks ahead or one or three: the same within the noise. What is left, as
-# we read it: the hints fill the core's few miss buffers (one core reaches about 12 GB/s this
-# way, the hardware prefetcher on 8 long streams 19); the block hints below take back a little of
-# it. With KVCache's blocks (stop 37, float32 from DRAM, one process, rounds side by side; GB/s
-# against a 40-43 GB/s read): hints on K and V 27.7-29.8, on K only 26.5-30.8, on V only
-# 24.9-28.4, none 21.9-32.9, both one chunk ahead 28.2-30.7 (with blocks of 128 keys: none
-# 1.58-2.10 ms a step against 1.23-1.53; 1, 2, 4 and 8 chunks ahead 1.14-1.39, 1.13-1.37,
-# 1.14-1.32, 1.21-1.47 ms).
+# stop 38 neither is hinted for K in the compute dtype by rows, and only K for KVCache's blocks
+# in the compute dtype: with chunks of up to 1024 keys the hardware prefetcher streams them as
+# well or better alone from DRAM (float32, the measurements of MAX_CHUNK: 1024 keys with both
+# hinted 30.5 and 29.7 GB/s, with neither 35.9 and 30.6, K alone 28.1; a row-major K through
+# ``attention``: 23.3 against 25.7, chunks of 128 with hints 19.0), and K's hints help a layer
+# that sits half in the L3 (one layer of 33.5 MB again and again: 0.49-0.71 ms a step with them,
+# 0.62-0.86 without, 6 of 6 rounds; 4 of 6 in a second run). float16 and int8 keep both (float16
+# 1024 keys without 20.1 GB/s, with 32.0; 128 keys with 29.1), and so does a transposed K of
+# whole rows (without 17.6, with 23.0). Before (chunks of 128 keys): a step from DRAM is bound by
+# the memory, and the hardware prefetcher alone did not keep enough lines in flight while the
+# core computed: the 64 rows of K^T are 64 streams, more than it follows, and sweeps of several
+# thousand keys 8 rows at a time (stops 20-32) read each stream longer but summed the scores in 8
+# passes through memory (10 ns a key against 5 in one pass, keys in L2). Measured (stop 33, Zen
+# 4, Hkv=2, Nk=32768, the step's share of a streaming read of the same bytes timed in alternation
+# with it (the slow read of stops up to 37), medians of 8 rounds; old kernel / this one, two
+# processes each): float32 from DRAM 60-61 % / 71-78 %, hot 30-38 % / 53-56 %; float16 from DRAM
+# 38-54 % / 67-72 %; int8 (a chunk at a time before too, hinted into L1) 24-31 % / 45 %. Hints
+# two chunks ahead or one or three: the same within the noise. What is left, as we read it: the
+# hints fill the core's few miss buffers (one core reaches about 12 GB/s this way, the hardware
+# prefetcher on 8 long streams 19); the block hints below take back a little of it. With
+# KVCache's blocks (stop 37, float32 from DRAM, one process, rounds side by side; GB/s against a
+# 40-43 GB/s read): hints on K and V 27.7-29.8, on K only 26.5-30.8, on V only 24.9-28.4, none
+# 21.9-32.9, both one chunk ahead 28.2-30.7 (with blocks of 128 keys: none 1.58-2.10 ms a step
+# against 1.23-1.53; 1, 2, 4 and 8 chunks ahead 1.14-1.39, 1.13-1.37, 1.14-1.32, 1.21-1.47 ms).
 AHEAD = 2
 PREFETCH = True  # the hints (a switch for the tests: the same bits without)
 HINT_K, HINT_V = 1, 2  # the kernel's ``prefetch`` bits (``hinted``)
