@@ -4,9 +4,11 @@ softmax of the chunk, and P V with the rescale, for one GQA group of ``--rows`` 
 ``--hints 0,1``: without and with the kernel's prefetch hints (``decode.AHEAD`` chunks ahead,
 into L2). ``--k-pad 0,16,128``: the rows of K^T padded by that many floats (16: one 64-byte
 line, KVCache's padding of rows under 4 KiB up to stop 36; 128: 512 bytes, its padding then
-for ``--keys`` a multiple of 1024; KVCache now stores K in blocks of a chunk, whose rows are
-``CHUNK`` keys: ``--k-pad 0`` with ``--keys`` 128). Best of 5 runs of ``--reps`` passes
-over the keys each. Run with ``NUMBA_NUM_THREADS=1``. Not collected by pytest.
+for ``--keys`` a multiple of 1024; KVCache stores K in blocks of 64 keys since stop 37, whose
+rows are ``KEY_BLOCK`` keys). The steps here are ``decode.CHUNK`` (128) keys; since stop 38 the
+kernel's chunks are up to 1024 (``decode.chunk_keys``), which pays the per-step work less
+often. Best of 5 runs of ``--reps`` passes over the keys each. Run with
+``NUMBA_NUM_THREADS=1``. Not collected by pytest.
 
     NUMBA_NUM_THREADS=1 python bench/cpu_decode_steps.py [--keys 1024] [--rows 4]
                                                          [--hints 0,1] [--k-pad 0,16,128]
