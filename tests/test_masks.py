@@ -316,3 +316,19 @@ def test_steep_alibi_gradients(dtype):
     slopes = np.array([0.5, 2.0, 4.0, 8.0])
     check_all(q, k, v, rand((1, 4, 150, 16), seed=4).astype(dtype), causal=True,
               alibi_slopes=slopes)
+
+
+@pytest.mark.parametrize("n_q", [1, 40])  # decode path and tiled path
+def test_softcap_keeps_float64_precision(kernels, n_q):
+    """float64 computes in float64, softcap's tanh too: caps that put the scores on both sides
+    of the series' range (|s / cap| below and above its threshold), forward and gradients,
+    within a few hundred ulps of the reference (a float32-grade tanh left 1e-8)."""
+    q, k, v, do = rands((1, 2, n_q, 16), (1, 1, 90, 16), (1, 1, 90, 16), (1, 2, n_q, 16),
+                        dtype=np.float64)
+    q *= 4.0  # scores up to ~10
+    for cap in (0.5, 3.0, 30.0, 300.0):
+        opts = dict(softcap=cap, causal=True)
+        out, dq, dk, dv = cpuflash.attention_vjp(q, k, v, do, **opts)
+        np.testing.assert_allclose(out, reference.attention(q, k, v, **opts), rtol=0, atol=1e-13)
+        for got, want in zip((dq, dk, dv), reference.attention_backward(do, q, k, v, **opts)):
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)

@@ -6,10 +6,13 @@ decode kernel, which folds ``log2(e)`` into Q and its caller into the constants 
 * softcap: ``s = c * tanh(s / c)`` (``c = softcap``, or ``softcap * log2(e)`` in base 2).
 * ALiBi: ``s -= slope * |i + off - j|`` (``slope = alibi_slope``, or times ``log2(e)``).
 
-``tanh`` by two branches, both computed, one selected per lane: for ``|y| < 1/4`` its odd
-Taylor series to ``y^9`` (truncation < 1e-8 relative), so small scores keep their relative
-precision; above, ``(1 - e) / (1 + e)`` with ``e = 2^(-2 |y| log2(e)) <= 0.61``, which does not
-cancel. The backward pass needs ``tanh`` again for ``ds_raw = ds * (1 - t^2)``: ``modify_row``
+``tanh`` by two branches, both computed, one selected per lane: below a threshold its odd
+Taylor series to ``y^9``, so small scores keep their relative precision; above,
+``(1 - e) / (1 + e)`` with ``e = 2^(-2 |y| log2(e))``. The series' truncation is
+``0.0089 y^10`` relative, and ``1 - e`` loses about ``1 / (2 |y|)`` ulps to cancellation: the
+threshold is ``1/4`` for float32 (truncation below 1e-8, ``e <= 0.61``) and ``0.04`` for
+float64 (truncation below 1e-16, at most about 13 ulps lost; with float32's threshold float64
+results were off by up to 1e-8 relative). The backward pass needs ``tanh`` again for ``ds_raw = ds * (1 - t^2)``: ``modify_row``
 leaves ``t`` in ``t_out`` when asked.
 """
 import math
@@ -21,13 +24,20 @@ from ._jit import helper
 
 LOG2_E = 1.0 / math.log(2.0)
 TANH_SERIES = (1.0, -1.0 / 3.0, 2.0 / 15.0, -17.0 / 315.0, 62.0 / 2835.0)  # y, y^3, ..., y^9
-SERIES_BELOW = 0.25
+SERIES_BELOW = 0.25      # |y| below which the series is used, float32 (and float16 inputs)
+SERIES_BELOW_F64 = 0.04  # the same for float64
 
 
 @helper
-def tanh_scalar(y):
+def series_below(s):
+    """The series' threshold for the element type of ``s`` (see the module's docstring)."""
+    return SERIES_BELOW_F64 if s.itemsize == 8 else SERIES_BELOW
+
+
+@helper
+def tanh_scalar(y, small):
     a = abs(y)
-    if a < SERIES_BELOW:
+    if a < small:
         y2 = y * y
         return y * (1.0 + y2 * (-1.0 / 3.0 + y2 * (2.0 / 15.0 + y2 * (-17.0 / 315.0
                                                                     + y2 * (62.0 / 2835.0)))))
@@ -38,7 +48,8 @@ def tanh_scalar(y):
 
 @helper
 def tanh_series_over_y(s, y):
-    """``tanh(y) / y`` by the odd series (a polynomial in ``y^2``), for ``|y| < SERIES_BELOW``."""
+    """``tanh(y) / y`` by the odd series (a polynomial in ``y^2``), for ``|y|`` below
+    ``series_below(s)``."""
     y2 = simd.vmul(y, y)
     poly = simd.vsplat(s, TANH_SERIES[4])
     poly = simd.vfma(poly, y2, simd.vsplat(s, TANH_SERIES[3]))
@@ -49,7 +60,8 @@ def tanh_series_over_y(s, y):
 
 @helper
 def tanh_vec(s, y, small):
-    """tanh of the vector ``y`` (``s`` gives the element type; ``small`` = SERIES_BELOW)."""
+    """tanh of the vector ``y`` (``s`` gives the element type; ``small``: ``series_below(s)``
+    in every lane)."""
     poly = tanh_series_over_y(s, y)
     a = simd.vabs(y)
     if simd.vall_lt(a, small):  # every lane small (common: softcap >> scores)
@@ -75,7 +87,7 @@ def modify_row(s, off, n, i_rel, k0, softcap2, slope2, t_out, portable):
         for j in range(n):
             x = s[off + j]
             if softcap2 != 0.0:
-                t = tanh_scalar(x / softcap2)
+                t = tanh_scalar(x / softcap2, series_below(s))
                 if keep_t:
                     t_out[off + j] = t
                 x = softcap2 * t
@@ -86,7 +98,7 @@ def modify_row(s, off, n, i_rel, k0, softcap2, slope2, t_out, portable):
     lanes = simd.lanes_of(s)
     inv_cap = simd.vsplat(s, 1.0 / softcap2 if softcap2 != 0.0 else 0.0)
     cap = simd.vsplat(s, softcap2)
-    small = simd.vsplat(s, SERIES_BELOW)
+    small = simd.vsplat(s, series_below(s))
     neg_slope = simd.vsplat(s, -slope2)
     iota = simd.viota(s)
     for j in range(0, n, lanes):
