@@ -332,3 +332,26 @@ def test_softcap_keeps_float64_precision(kernels, n_q):
         np.testing.assert_allclose(out, reference.attention(q, k, v, **opts), rtol=0, atol=1e-13)
         for got, want in zip((dq, dk, dv), reference.attention_backward(do, q, k, v, **opts)):
             np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("n_q", [1, 40])  # decode path and tiled path
+def test_dropout_scales_by_one_over_one_minus_p_in_float64(kernels, n_q):
+    """Kept probabilities are scaled by exactly ``1 / (1 - p)``, as the API says and the
+    reference does: in float64 the results agree to rounding (the hash's own keep rate,
+    ``1 - round(p 2^32) / 2^32``, left up to 1e-10 relative)."""
+    q, k, v, do = rands((1, 2, n_q, 16), (1, 1, 90, 16), (1, 1, 90, 16), (1, 2, n_q, 16),
+                        dtype=np.float64)
+    for p in (0.1, 0.3, 0.77):
+        opts = dict(dropout_p=p, seed=11, causal=True)
+        out, dq, dk, dv = cpuflash.attention_vjp(q, k, v, do, **opts)
+        np.testing.assert_allclose(out, reference.attention(q, k, v, **opts), rtol=0, atol=1e-13)
+        for got, want in zip((dq, dk, dv), reference.attention_backward(do, q, k, v, **opts)):
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
+    cu = np.array([0, n_q], np.int64)
+    ref_opts = dict(dropout_p=0.3, seed=cpuflash.varlen._sequence_seed(11, 0), causal=True)
+    packed = cpuflash.varlen.attention_varlen(q[0].transpose(1, 0, 2), k[0].transpose(1, 0, 2),
+                                              v[0].transpose(1, 0, 2), cu,
+                                              np.array([0, 90], np.int64), dropout_p=0.3, seed=11,
+                                              causal=True)
+    np.testing.assert_allclose(packed.transpose(1, 0, 2)[None],
+                               reference.attention(q, k, v, **ref_opts), rtol=0, atol=1e-13)

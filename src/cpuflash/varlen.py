@@ -83,13 +83,13 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale
     scale = _checks.scale(scale, d)
     left, right, _ = masks.band(causal, window, None, 1, 0)
     mods = masks.modifiers(softcap, alibi_slopes, n_seq, q.shape[1])
-    drop_below, seed = masks.dropout(dropout_p, seed)
+    drop_below, seed, inv_keep = masks.dropout(dropout_p, seed)
     seeds = np.array([_sequence_seed(seed, b) if drop_below else 0 for b in range(n_seq)],
                      dtype=np.int64)
     compute = np.float64 if q.dtype == np.float64 else np.float32
     out, lse = run_varlen(*(x if x.dtype == compute else x.astype(compute) for x in (q, k, v)),
                           cu_seqlens_q.astype(np.int64), cu_seqlens_k.astype(np.int64), scale,
-                          (left, right), mods, (drop_below, seeds), config.PORTABLE)
+                          (left, right), mods, (drop_below, seeds, inv_keep), config.PORTABLE)
     out = out.astype(q.dtype, copy=False)
     return (out, lse) if return_lse else out
 

@@ -42,13 +42,14 @@ TASKS_WANTED = 4  # key chunks per (batch, kv head) are added until there are th
 @kernel(strided=("mask_bools", "mask_adds", "tile_state"), read_only=("kv_lens", "slopes"))
 def backward(qp, dout, lse_p, delta, kt, vtt, kn, block_q, d_pad, dv_pad,
              left, right, kv_lens, softcap, slopes, mask_bools, mask_adds, mask_is_bool,
-             tile_state, drop_below, seed, chunk_starts, dq_part, dk, dv, scale, dq):
+             tile_state, drop_below, inv_keep, seed, chunk_starts, dq_part, dk, dv, scale, dq):
     """qp: (B, Hq, n_qb * block_q, d_pad) Q times ``scale``, zero-padded, contiguous.
     dout: (B, Hq, Nq, Dv), contiguous. left, right, kv_lens: the band (masking.py).
     softcap, slopes (B, Hq): score modifiers, 0 for off (scores.py).
     mask_bools, mask_adds, mask_is_bool, tile_state: the caller's mask and its tile table
     (masks.UserMask).
-    drop_below, seed: dropout (dropout.py), the forward's; ``drop_below = 0`` for none.
+    drop_below, inv_keep, seed: dropout (``masks.dropout``), the forward's; ``drop_below = 0``
+    for none.
     lse_p: (B, Hq, Nq) the forward's lse, ``+inf`` for rows that see no key (so their P is 0).
     delta: (B, Hq, Nq).
     kt, vtt: K and V tiles transposed, kn: K tiles as rows (pack.py). chunk_starts: key-tile
@@ -81,7 +82,6 @@ def backward(qp, dout, lse_p, delta, kt, vtt, kn, block_q, d_pad, dv_pad,
     ld_s = block_k + simd.lanes_of(dk)  # score rows a vector longer: see forward.py
     n_k_all = mask_bools.shape[3]
     n_k_arr = dk.shape[2]
-    inv_keep = 2.0**32 / (2.0**32 - drop_below)  # 1 / (1 - p)
     for task in prange(n_b * n_hkv * n_chunks):
         b, hk, chunk = unravel(task, n_hkv, n_chunks)
         n_k = kv_lens[b]
@@ -362,7 +362,7 @@ def run_backward(dout, q, k, v, out, lse, scale, band, mods, user_mask, drop, po
     run_dynamic(backward_portable if portable else backward, qp, dout, lse_p, delta, kt,
                 vtt, kn, block_q, d_pad, dv_pad, left, right, kv_lens, mods[0], mods[1],
                 *user_mask.kernel_args(), user_mask.tile_states(block_q, block_k), drop[0],
-                drop[1], starts, dq_part, dk, dv, scale, dq)
+                drop[2], drop[1], starts, dq_part, dk, dv, scale, dq)
     if n_chunks > 1:  # else the kernel wrote dQ; here the partials are summed in chunk order
         finish_dq(dq_part, scale, dq)
     return dq, dk, dv

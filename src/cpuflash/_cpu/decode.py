@@ -322,7 +322,7 @@ def combine_row(m_part, l_part, acc_part, out, lse, b, h, i):
 def decode(q, k, k_strides, k_block, k_storage, prefetch, v, v_strides, k_scale_4,
            ks_strides, v_scale_4, vs_strides, n_hkv, n_k, d, dv, n_splits, chunk, scale2, left,
            right, kv_lens, softcap2, slopes2, mask_bools, mask_adds, mask_is_bool, mask_given,
-           drop_below, seed, m_part, l_part, acc_part, out, lse, serial_merge):
+           drop_below, inv_keep, seed, m_part, l_part, acc_part, out, lse, serial_merge):
     """q: (B, Hq, Nq, D) any strides, compute dtype. k, v: 4-D arrays in their storage type
     (the compute dtype, float16 bits as uint16, or int8), read through 1-D views ``kf``,
     ``vf`` from their first elements (``span_of``: made here, not by a Python call per step).
@@ -368,7 +368,6 @@ def decode(q, k, k_strides, k_block, k_storage, prefetch, v, v_strides, k_scale_
     keys_unit = k_strides[3] != 1  # K stored transposed: a key's D values k_strides[3] apart
     blocked = k_block != KEY_BLOCK * k_strides[2]  # K in blocks (KVCache's layout)
     stage_k = rows > 1 and k_storage and not keys_unit  # convert float16/int8 keys once
-    inv_keep = 2.0**32 / (2.0**32 - drop_below)  # 1 / (1 - p)
     no_t = np.empty(0, dtype=acc_part.dtype)
     for task in prange(n_b * n_hkv * n_splits):
         b, hk, split = unravel(task, n_hkv, n_splits)
@@ -600,5 +599,6 @@ def run_decode(q, k, v, scale, band, mods, user_mask, drop, out=None, kv_scales=
     decode(q, k_store, k_steps, k_block, k_storage, prefetch, v_store, v_steps, k_scale,
            ks_strides, v_scale, vs_strides, n_hkv, n_k, d, dv, n_splits, chunk, scale * LOG2_E,
            left, right, kv_lens, softcap2, slopes2, *user_mask.kernel_args(), user_mask.given,
-           drop[0], drop[1], m_part, l_part, acc_part, out, lse, acc_part.size <= SERIAL_COMBINE)
+           drop[0], drop[2], drop[1], m_part, l_part, acc_part, out, lse,
+           acc_part.size <= SERIAL_COMBINE)
     return out, lse

@@ -64,7 +64,7 @@ def balanced_order(j, n):
 @kernel(strided=("q", "mask_bools", "mask_adds", "tile_state"),
         read_only=("seqs", "kv_lens", "slopes", "seeds"))
 def forward(q, kt, vt, n_hkv, block_q, scale, left, right, seqs, kv_lens, softcap, slopes,
-            mask_bools, mask_adds, mask_is_bool, tile_state, drop_below, seeds, out_flat,
+            mask_bools, mask_adds, mask_is_bool, tile_state, drop_below, inv_keep, seeds, out_flat,
             out_layout, lse):
     """Attention forward on packed K/V, for the sequences of the table ``seqs``
     (sequences.py): one task per (sequence, head, query block).
@@ -76,7 +76,8 @@ def forward(q, kt, vt, n_hkv, block_q, scale, left, right, seqs, kv_lens, softca
     softcap, slopes (S, Hq): the score modifiers, 0 for off (scores.py).
     mask_bools, mask_adds, mask_is_bool, tile_state: the caller's mask and its tile table
     (masks.UserMask), by sequence.
-    drop_below, seeds (S,): dropout (dropout.py); ``drop_below = 0`` for none.
+    drop_below, inv_keep, seeds (S,): dropout (dropout.py, ``masks.dropout``); ``drop_below =
+    0`` for none.
     out_flat, out_layout: the output's buffer and ``(batch stride, head stride, row stride,
     Dv)``: element ``(b, h, row, c)`` of the output, ``c < Dv``, is ``out_flat[b * stride_b +
     h * stride_h + row * stride_row + c]``.
@@ -97,7 +98,6 @@ def forward(q, kt, vt, n_hkv, block_q, scale, left, right, seqs, kv_lens, softca
     modify = softcap != 0.0 or np.any(slopes != 0.0)
     no_t = np.empty(0, dtype=out_flat.dtype)
     n_k_all = mask_bools.shape[3]
-    inv_keep = 2.0**32 / (2.0**32 - drop_below)  # 1 / (1 - p)
     n_tasks = seqs[-1, TASK0] + n_hq * seqs[-1, N_QB] if seqs.shape[0] else 0
     for task in prange(n_tasks):
         b, h, qb = find_task(seqs, n_hq, task)
@@ -199,7 +199,7 @@ def run_forward(q, k, v, scale, band, mods, user_mask, drop, portable, out=None,
     ``out``, if given, must be such an array; it is written in place. ``band``: the
     ``(left, right, kv_lens)`` of masking.py; ``mods``: ``(softcap, alibi_slopes (B, Hq))``
     in natural units (scores.py); ``user_mask``: a ``masks.UserMask``; ``drop``:
-    ``(drop_below, seed)`` (dropout.py).
+    ``(drop_below, seed, inv_keep)`` (``masks.dropout``).
     """
     n_b, n_hq, n_q, d = q.shape
     n_k, dv = v.shape[2], v.shape[3]
@@ -230,7 +230,7 @@ def run_forward(q, k, v, scale, band, mods, user_mask, drop, portable, out=None,
     run_dynamic(forward_portable if portable else forward, q, kt.reshape(-1, kt.shape[2]),
                 vt.reshape(-1, vt.shape[2]), k.shape[1], block_q, scale, left, right,
                 seqs, kv_lens, mods[0], mods[1], *user_mask.kernel_args(),
-                user_mask.tile_states(block_q, block_k), drop[0], np.full(n_b, drop[1]),
+                user_mask.tile_states(block_q, block_k), drop[0], drop[2], np.full(n_b, drop[1]),
                 out.reshape(-1), (n_hq * n_q * dv, n_q * dv, dv, dv), lse)
     return out, lse
 
@@ -240,7 +240,8 @@ def run_varlen(q, k, v, cu_q, cu_k, scale, band, mods, drop, portable):
 
     ``q``: (total_q, Hq, D), ``k``/``v``: (total_k, Hkv, D/Dv), any strides, of one compute
     dtype; ``cu_q``/``cu_k``: int64 offsets of the S sequences (S + 1 each). ``band``: ``(left,
-    right)``; ``mods``: ``(softcap, slopes (S, Hq))``; ``drop``: ``(drop_below, seeds (S,))``.
+    right)``; ``mods``: ``(softcap, slopes (S, Hq))``; ``drop``: ``(drop_below, seeds (S,),
+    inv_keep)``.
     Returns ``out`` (total_q, Hq, Dv) and ``lse`` (Hq, total_q).
     """
     total_q, n_hq, d = q.shape
@@ -263,6 +264,6 @@ def run_varlen(q, k, v, cu_q, cu_k, scale, band, mods, drop, portable):
     run_dynamic(forward_portable if portable else forward, q.transpose(1, 0, 2)[None], kt, vt,
                 n_hkv, block_q, scale, band[0], band[1], seqs, k_lens.astype(np.int64),
                 mods[0], mods[1], *no_mask.kernel_args(),
-                no_mask.tile_states(block_q, block_k), drop[0], drop[1], out.reshape(-1),
+                no_mask.tile_states(block_q, block_k), drop[0], drop[2], drop[1], out.reshape(-1),
                 (0, dv, n_hq * dv, dv), lse)
     return out, lse.reshape(n_hq, total_q)

@@ -261,8 +261,8 @@ def run_forward(q, k, v, scale, band, mods, out, lse, stream=None, mask=None, dr
     """Launch on 4-D ``GpuArray``s (any strides; float16 or float32), on the raw ``stream``.
     ``band``, ``mods``: as ``masks.band``/``masks.modifiers`` give them (numpy); ``mask``: the
     caller's mask as a 4-D ``GpuArray`` (each axis 1 or full) or None; ``drop``:
-    ``masks.dropout``'s ``(drop_below, seed)``; ``kv_scales``: an int8 cache's ``(k_scale,
-    v_scale)``, 3-D ``GpuArray``s (K/V may also be float16 under a float32 q). Writes
+    ``masks.dropout``'s ``(drop_below, seed, inv_keep)``; ``kv_scales``: an int8 cache's
+    ``(k_scale, v_scale)``, 3-D ``GpuArray``s (K/V may also be float16 under a float32 q). Writes
     ``out`` (B, Hq, Nq, Dv) of q's dtype and ``lse`` (B, Hq, Nq) float32, natural log. The
     tensor-core kernels take the calls they can (``tensor_cores``), this module's SIMT
     kernel the rest."""

@@ -403,13 +403,14 @@ def extra_args(mask, drop):
     "float"; a bool mask is read as bool, a float one as float16 or float32);
     ``args = (mask, seed_mix, drop_below, inv_keep)``, the ``Miif`` of the patterns below:
     without a mask, a 1-element uint8 array that no line reads. ``mask``: a 4-D ``GpuArray``
-    (each axis 1 or full) or None; ``drop``: ``masks.dropout``'s ``(drop_below, seed)``."""
+    (each axis 1 or full) or None; ``drop``: ``masks.dropout``'s ``(drop_below, seed,
+    inv_keep)``."""
     if mask is None:
         kind, mask = None, uploaded(_NO_MASK)
     else:
         kind = "bool" if mask.dtype == np.bool_ else "float"
-    drop_below, seed = drop
-    inv_keep = np.float32(2.0**32 / (2.0**32 - drop_below))  # 1 / (1 - p), as the CPU's
+    drop_below, seed, inv_keep = drop
+    inv_keep = np.float32(inv_keep)  # 1 / (1 - p), as the CPU's
     kinds = (kind, np.dtype(mask.dtype).str, drop_below > 0)
     return kinds, (mask, seed_mix(seed), drop_below, inv_keep)
 
