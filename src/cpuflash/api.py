@@ -162,7 +162,7 @@ def _plain_decode(q, k, v, causal, scale, k_blocks=None):
     decoded = run_decode(q, k, v, _checks.scale(scale, d),
                          masks.band(causal, None, None, n_b, n_k),
                          masks.modifiers(None, None, n_b, n_hq),
-                         masks.UserMask(None, n_b, n_hq, n_q, n_k, dtype), (0, 0),
+                         masks.UserMask(None, n_b, n_hq, n_q, n_k, dtype), masks.NO_DROPOUT,
                          k_blocks=k_blocks)
     return None if decoded is None else decoded[0]
 

@@ -200,19 +200,22 @@ def broadcast_shape(mask_shape, shape):
     return m4
 
 
+NO_DROPOUT = (0, 0, 1.0)  # ``dropout``'s answer for p = 0
+
+
 def dropout(dropout_p, seed):
     """``(drop_below, seed, inv_keep)`` for the kernels: a key is dropped where its 32-bit hash
     is below ``drop_below`` (dropout.py), and a kept probability is multiplied by ``inv_keep =
     1 / (1 - p)``, the scale of the API's contract (not the inverse of the hash's exact keep
     rate, ``2^32 / (2^32 - drop_below)``, which differs from it by up to 1e-10 relative: a
-    difference float64 results show); ``(0, 0, 1.0)`` without dropout."""
+    difference float64 results show); ``NO_DROPOUT`` without dropout."""
     if not is_real(dropout_p):
         raise TypeError(f"dropout_p: expected a number in [0, 1), got {dropout_p!r}")
     p = float(dropout_p)
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout_p: expected a number in [0, 1), got {p}")
     if p == 0.0:
-        return 0, 0, 1.0
+        return NO_DROPOUT
     if seed is None:
         raise ValueError("seed: required with dropout_p > 0 (the backward pass regenerates "
                          "the dropout mask from it)")

@@ -26,6 +26,7 @@ import math
 import numpy as np
 from numba import float32, int64
 
+from .. import masks
 from .arrays import view
 from .codegen import build, expand, rep
 from .launch import compiled
@@ -351,7 +352,7 @@ def kernels(d_pad, dv_pad, mods, dtype, extras=NO_EXTRAS):
 
 
 def run_backward(dout, q, k, v, out, lse, scale, band, mods, dq, dk, dv, stream=None,
-                 scratch=None, mask=None, drop=(0, 0)):
+                 scratch=None, mask=None, drop=masks.NO_DROPOUT):
     """Launch on 4-D ``GpuArray``s, on the raw ``stream``; writes ``dq, dk, dv`` (4-D, the
     dtypes of q, k, v). ``scratch(shape)``: a new float32 ``GpuArray`` (default: numba's).
     ``mask``, ``drop``: as ``forward.run_forward`` takes them."""

@@ -35,6 +35,7 @@ import os
 import numpy as np
 from numba import float32, int64
 
+from .. import masks
 from .codegen import build, expand, join, rep
 from .launch import compiled
 from .runtime import device_capability, load, simulated
@@ -256,8 +257,8 @@ def kernel(d_pad, dv_pad, mods, dtype, extras=NO_EXTRAS, kv_dtype=None):
     return compiled(fn, sig), threads, rows
 
 
-def run_forward(q, k, v, scale, band, mods, out, lse, stream=None, mask=None, drop=(0, 0),
-                kv_scales=None):
+def run_forward(q, k, v, scale, band, mods, out, lse, stream=None, mask=None,
+                drop=masks.NO_DROPOUT, kv_scales=None):
     """Launch on 4-D ``GpuArray``s (any strides; float16 or float32), on the raw ``stream``.
     ``band``, ``mods``: as ``masks.band``/``masks.modifiers`` give them (numpy); ``mask``: the
     caller's mask as a 4-D ``GpuArray`` (each axis 1 or full) or None; ``drop``:
