@@ -12,8 +12,8 @@ Taylor series to ``y^9``, so small scores keep their relative precision; above,
 ``0.0089 y^10`` relative, and ``1 - e`` loses about ``1 / (2 |y|)`` ulps to cancellation: the
 threshold is ``1/4`` for float32 (truncation below 1e-8, ``e <= 0.61``) and ``0.04`` for
 float64 (truncation below 1e-16, at most about 13 ulps lost; with float32's threshold float64
-results were off by up to 1e-8 relative). The backward pass needs ``tanh`` again for ``ds_raw = ds * (1 - t^2)``: ``modify_row``
-leaves ``t`` in ``t_out`` when asked.
+results were off by up to 1e-8 relative). The backward pass needs ``tanh`` again for
+``ds_raw = ds * (1 - t^2)``: ``modify_row`` leaves ``t`` in ``t_out`` when asked.
 """
 import math
 
