@@ -49,6 +49,10 @@ def run(script, args, monkeypatch):
     ("cpu_profile.py", ["forward", "--threads", "0"], "--threads must be at least 1"),
     ("cpu_profile.py", ["forward", "--seconds", "nan"], "--seconds must be positive"),
     ("cpu_profile.py", ["decode", "--hkv", "3"], "--h (8) must be a multiple of --hkv (3)"),
+    ("cpu_fuzz.py", ["--seconds", "0"], "--seconds must be positive"),
+    ("cpu_fuzz.py", ["--cases", "-1"], "--cases must be 0 (no limit) or positive"),
+    ("cpu_fuzz.py", ["--max-nk", "0"], "--max-nk must be at least 1"),
+    ("cpu_fuzz.py", ["--tol64", "nan"], "--tol32 and --tol64 must be positive"),
 ])
 def test_bad_arguments(script, args, words, monkeypatch, capsys):
     status = run(script, args, monkeypatch)
@@ -70,3 +74,16 @@ def test_profile_names_and_shares(monkeypatch):
     counts, outside = share_table([5, 9, 10, 19, 20, 3000],
                                   [(10, 10, "_ZN1b1fB"), (0, 10, "_ZN1a1gB")])
     assert counts == {"a.g": 2, "b.f": 2} and outside == [20, 3000]
+
+
+def test_fuzz_passes_and_reports_a_mismatch(monkeypatch, capsys):
+    """A few random cases pass against the reference; with tolerances no rounding meets, the
+    first case is reported as a mismatch and the script exits 1. (Seed 0's first four cases are
+    float32, whose kernels the other tests have compiled: the float64 ones would compile
+    more.)"""
+    args = ["--cases", "4", "--max-nk", "300", "--seed", "0"]
+    assert run("cpu_fuzz.py", args, monkeypatch) == 0
+    assert "4 cases, no mismatch" in capsys.readouterr().out
+    assert run("cpu_fuzz.py", args + ["--tol32", "1e-300", "--tol64", "1e-300"],
+               monkeypatch) == 1
+    assert "MISMATCH" in capsys.readouterr().out
