@@ -68,7 +68,7 @@ def test_chunk_lengths_with_every_option(max_chunk, n_q, monkeypatch):
     monkeypatch.setattr(decode, "MAX_CHUNK", max_chunk)
     n_b, n_hkv, n_hq, n_k = 2, 8, 16, 3000
     assert decode.split_count(n_b, n_hkv, n_k) == 1  # 16 tasks already: one split of 3072
-    assert decode.chunk_keys(n_hq // n_hkv * n_q) == min(max_chunk, 1024 if n_q == 1 else 640)
+    assert decode.chunk_keys(n_hq // n_hkv * n_q, 4) == min(max_chunk, 1024 if n_q == 1 else 640)
     q = rand((n_b, n_hq, n_q, 16), seed=1)
     k, v = rand((n_b, n_hkv, n_k, 16), seed=2), rand((n_b, n_hkv, n_k, 16), seed=3)
     mask = np.random.default_rng(4).random((n_b, n_hq, n_q, n_k)) < 0.9

@@ -42,20 +42,20 @@ from .tiles import online_softmax, rescale_add, tile_product, tile_product_ahead
 LN2 = math.log(2.0)
 LOG2_E = 1.0 / LN2
 # Keys per online-softmax step (``chunk_keys``): a multiple of CHUNK, as many as keep a chunk's
-# scores within CHUNK_SCORES elements (16 KiB of float32: half of L1), at most MAX_CHUNK. The
-# per-step work (row max, rescale of the accumulators, the P @ V call) is paid once per chunk
-# (measured at Nk = 32768: 16 keys 51 ns/key, 128 keys 28 ns/key with the folded dot
-# products). A chunk reads its keys' K, then their V: the longer the chunk, the longer each of
-# the two streams runs before the other takes over, and from DRAM that is what counted. On the
-# Zen 4 (stop 38, Hkv=2, Nk=32768, 4 rows, 19 layers from DRAM, one process, rounds side by
-# side with a streaming read; GB/s): chunks of 128 keys with the hints 27.4, of 1024 without
+# scores within CHUNK_SCORE_BYTES (16 KiB, half of L1: 4096 float32 scores, 2048 float64), at
+# most MAX_CHUNK. The per-step work (row max, rescale of the accumulators, the P @ V call) is
+# paid once per chunk (measured at Nk = 32768: 16 keys 51 ns/key, 128 keys 28 ns/key with the
+# folded dot products). A chunk reads its keys' K, then their V: the longer the chunk, the longer
+# each of the two streams runs before the other takes over, and from DRAM that is what counted.
+# On the Zen 4 (stop 38, Hkv=2, Nk=32768, 4 rows, 19 layers from DRAM, one process, rounds side
+# by side with a streaming read; GB/s): chunks of 128 keys with the hints 27.4, of 1024 without
 # them 35.9 (the read at 51); in a slower spell 26.9 against 29.7, 1024 and 2048 keys alike
-# (30.3). A model of the loop that read K and V with 4 FMAs a line and no softmax: phases of
-# 128 keys 31.6, of 1024 39.8, one stream 44.8 GB/s. CHUNK itself is the granule: splits are
-# whole multiples of it, chunks start on them, and a multiple of every lane count.
+# (30.3). A model of the loop that read K and V with 4 FMAs a line and no softmax: phases of 128
+# keys 31.6, of 1024 39.8, one stream 44.8 GB/s. CHUNK itself is the granule: splits are whole
+# multiples of it, chunks start on them, and a multiple of every lane count.
 CHUNK = 128
 MAX_CHUNK = 1024
-CHUNK_SCORES = 4096
+CHUNK_SCORE_BYTES = 16384
 # Keys in a block of KVCache's K: each block is its keys' K^T, (D, KEY_BLOCK) in one piece, and
 # a chunk is CHUNK // KEY_BLOCK blocks in a row. 64 float32 keys are the columns of one
 # micro-kernel call (``tiles.MAX_VECS`` vectors of 16 lanes), which then reads its block from
@@ -117,10 +117,11 @@ MAX_NQ = 16            # attention() takes this path for Nq up to this
 SERIAL_COMBINE = 1 << 18  # partial-output elements up to which the merge runs on one thread
 
 
-def chunk_keys(rows):
-    """Keys per online-softmax step for ``rows`` query rows: a multiple of CHUNK, the most
-    whose scores fit in ``CHUNK_SCORES``, at most ``MAX_CHUNK``."""
-    return max(CHUNK, min(MAX_CHUNK, CHUNK_SCORES // rows // CHUNK * CHUNK))
+def chunk_keys(rows, itemsize):
+    """Keys per online-softmax step for ``rows`` query rows whose scores have ``itemsize``
+    bytes: a multiple of CHUNK, the most whose scores fit in ``CHUNK_SCORE_BYTES``, at most
+    ``MAX_CHUNK``."""
+    return max(CHUNK, min(MAX_CHUNK, CHUNK_SCORE_BYTES // itemsize // rows // CHUNK * CHUNK))
 
 
 def hinted(k_storage, keys_unit, blocked):
@@ -586,7 +587,7 @@ def run_decode(q, k, v, scale, band, mods, user_mask, drop, out=None, kv_scales=
     else:  # read in place, as K and V (a trailing unit axis stands in for the head dim)
         (k_scale, ks_strides), (v_scale, vs_strides) = (_scales_4d(x) for x in kv_scales)
     n_splits = split_count(n_b, n_hkv, n_k)
-    chunk = chunk_keys(n_hq // n_hkv * n_q)
+    chunk = chunk_keys(n_hq // n_hkv * n_q, dtype.itemsize)
     m_part = np.empty((n_splits, n_b, n_hq, n_q), dtype=dtype)
     l_part = np.empty((n_splits, n_b, n_hq, n_q), dtype=dtype)
     acc_part = np.empty((n_splits, n_b, n_hq, n_q, dv), dtype=dtype)
