@@ -62,7 +62,7 @@ def main(argv=None):
             cache.attention(layer, q)
     finally:
         decode.decode = kernel
-    everything = np.concatenate([cache.k_blocks.reshape(-1), cache.v.reshape(-1)])
+    everything = np.concatenate([cache.k_blocks.reshape(-1), cache.v_blocks.reshape(-1)])
     shorter = itertools.count(1)
 
     def now(layer):  # the layer, its length set as this call sees it

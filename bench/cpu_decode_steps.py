@@ -38,14 +38,14 @@ def steps(kind, reps, q_s, kt, k_step, v, rows, d, n, s, m_i, l_t, a_i, pv, acc,
     for _ in range(reps):
         for c0 in range(0, n, CHUNK):
             if kind & SCORES:
-                decode.transposed_scores(s, q_s, rows, d, kt, c0, k_step, decode.KEY_BLOCK, CHUNK,
-                                         ahead)
+                decode.transposed_scores(s, CHUNK, q_s, rows, d, kt, c0, k_step,
+                                         decode.KEY_BLOCK, 1, CHUNK, ahead)
             if kind & SOFTMAX:
                 online_softmax(s, 0, CHUNK, CHUNK, rows, m_i, l_t, a_i, l_t, False, False,
                                False)
             if kind & PV:
                 if hints:
-                    tile_product_ahead(pv, 0, d, s, 0, CHUNK, 1, v, c0 * d, d, rows, d, CHUNK,
+                    tile_product_ahead(pv, 0, d, s, 0, CHUNK, 1, v, c0 * d, d, 1, rows, d, CHUNK,
                                        ahead * d)
                 else:
                     tile_product(pv, 0, d, s, 0, CHUNK, 1, v, c0 * d, d, 1, rows, d, CHUNK,

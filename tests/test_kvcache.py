@@ -122,7 +122,8 @@ def test_quantize_int8_round_trip():
 
 def test_append_is_in_place_and_view_gives_the_keys():
     """Appends write the storage in place; ``view`` gives K as an array (a copy out of the
-    blocks), V and the scales as views of the storage."""
+    blocks), V as a view where its blocks hold whole rows (else a copy), the scales as views of
+    the storage."""
     cache = cpuflash.KVCache(2, 1, 2, 16, D)
     k_store = cache.k_blocks
     cache.append(0, rand((1, 2, 5, D), seed=1), rand((1, 2, 5, D), seed=2))
@@ -130,7 +131,8 @@ def test_append_is_in_place_and_view_gives_the_keys():
     assert cache.k_blocks is k_store and list(cache.lengths) == [8, 0]
     k, v, scales = cache.view(0)
     assert k.shape == (1, 2, 8, D) and not np.shares_memory(k, cache.k_blocks)
-    assert np.shares_memory(v, cache.v) and scales == {}
+    whole_rows = cache.v_blocks.shape[4] == 1
+    assert np.shares_memory(v, cache.v_blocks) == whole_rows and scales == {}
     np.testing.assert_array_equal(k[:, :, 5:], rand((1, 2, 3, D), seed=3))
     np.testing.assert_array_equal(v[:, :, :5], rand((1, 2, 5, D), seed=2))
     cache.reset()
@@ -141,30 +143,74 @@ def test_storage_starts_on_a_cache_line():
     """K/V rows are whole AVX-512 vectors that never straddle two cache lines."""
     for dtype in (np.float32, np.float16, np.int8):
         cache = cpuflash.KVCache(2, 1, 2, 1000, D, dtype=dtype)
-        for x in (cache.k_blocks, cache.v):
+        for x in (cache.k_blocks, cache.v_blocks):
             assert x.ctypes.data % 64 == 0 and x.flags.c_contiguous and not x.any()
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int8])
 def test_keys_in_blocks_across_block_edges(dtype):
     """Appends of 1, 63, 130 and 300 keys (crossing the edges of blocks of KEY_BLOCK keys, one
-    append spanning five blocks) store each key in its block, transposed: ``view`` gives them
-    back, and the storage holds key j, dim c at [j // KEY_BLOCK, c, j % KEY_BLOCK]."""
-    n_k, block = 494, decode.KEY_BLOCK
-    k, v = rand((1, 2, n_k, D), seed=11), rand((1, 2, n_k, D), seed=12)
-    cache = cpuflash.KVCache(1, 1, 2, 600, D, dtype=dtype)
+    append spanning five blocks) store each key in its block, K transposed in panels of w keys
+    and V in panels of u columns: ``view`` gives them back, and the storage holds key j, dim c
+    of K at [j // KEY_BLOCK, j % KEY_BLOCK // w, c, j % w] and of V at [j // KEY_BLOCK, c // u,
+    j % KEY_BLOCK, c % u]."""
+    n_k, block, dv = 494, decode.KEY_BLOCK, 48
+    k, v = rand((1, 2, n_k, D), seed=11), rand((1, 2, n_k, dv), seed=12)
+    cache = cpuflash.KVCache(1, 1, 2, 600, D, v_head_dim=dv, dtype=dtype)
     start = 0
     for n in (1, 63, 130, 300):
         cache.append(0, k[:, :, start:start + n], v[:, :, start:start + n])
         start += n
-    assert cache.k_blocks.shape == (1, 1, 2, -(-600 // block), D, block)
-    stored, _, _ = cache.view(0)
-    want = cpuflash.quantize_int8(k)[0] if dtype == np.int8 else k.astype(dtype)
-    np.testing.assert_array_equal(stored, want)
-    for j in (0, 63, 64, 193, 493):
-        np.testing.assert_array_equal(cache.k_blocks[0, :, :, j // block, :, j % block],
-                                      want[:, :, j])
-    assert not cache.k_blocks[0, :, :, n_k // block, :, n_k % block:].any()  # past the last
+    w, u = decode.key_panel_width(np.float32), decode.value_panel_width(np.float32, dv)
+    assert cache.k_blocks.shape == (1, 1, 2, -(-600 // block), block // w, D, w)
+    assert cache.v_blocks.shape == (1, 1, 2, -(-600 // block), dv // u, block, u)
+    stored_k, stored_v, scales = cache.view(0)
+    if dtype == np.int8:
+        (want_k, k_scale), (want_v, v_scale) = cpuflash.quantize_int8(k), cpuflash.quantize_int8(v)
+        np.testing.assert_array_equal(scales["k_scale"], k_scale)
+        np.testing.assert_array_equal(scales["v_scale"], v_scale)
+    else:
+        want_k, want_v = k.astype(dtype), v.astype(dtype)
+    np.testing.assert_array_equal(stored_k, want_k)
+    np.testing.assert_array_equal(stored_v, want_v)
+    for j in (0, 15, 16, 63, 64, 193, 493):
+        np.testing.assert_array_equal(
+            cache.k_blocks[0, :, :, j // block, j % block // w, :, j % w], want_k[:, :, j])
+        for c in (0, u - 1, dv - 1):
+            np.testing.assert_array_equal(
+                cache.v_blocks[0, :, :, j // block, c // u, j % block, c % u], want_v[:, :, j, c])
+    last = cache.k_blocks[0, :, :, n_k // block].transpose(0, 1, 2, 4, 3).reshape(1, 2, block, D)
+    assert not last[:, :, n_k % block:].any()  # past the last key
+    assert not cache.v_blocks[0, :, :, n_k // block, :, n_k % block:].any()
+
+
+@pytest.mark.parametrize("layout", ["panels", "one panel"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int8])
+def test_block_layouts_against_reference(layout, dtype, monkeypatch):
+    """K and V in blocks of panels of the micro-kernel's width (this host's layout), or in one
+    panel a block (a K^T block whole, V by rows: AVX-512's layout at D = Dv = 64), whichever
+    this host is: decode through the cache with the options that move where the products
+    start and stop (a window starting inside a block, a short ``kv_lens``, causal rows,
+    softcap, ALiBi) against the reference on the dequantized cache. Dv = 48 takes three
+    panels of 16 float32 on AVX2; D = 20 has a tail of keys past the last whole vector."""
+    if layout == "one panel":
+        monkeypatch.setattr(cpuflash.kvcache, "key_panel_width", lambda dt: decode.KEY_BLOCK)
+        monkeypatch.setattr(cpuflash.kvcache, "value_panel_width", lambda dt, dv: dv)
+    n_k, d, dv = 1500, 20, 48
+    cache = cpuflash.KVCache(1, 2, 2, n_k + 13, d, v_head_dim=dv, dtype=dtype)
+    k, v = rand((2, 2, n_k, d), seed=21), rand((2, 2, n_k, dv), seed=22)
+    for lo, hi in ((0, 700), (700, 701), (701, n_k)):
+        cache.append(0, k[:, :, lo:hi], v[:, :, lo:hi])
+    assert (cache.v_blocks.shape[4] == 1) == (layout == "one panel"
+                                              or dv % cpuflash.config.panel_width(
+                                                  np.dtype(np.float32)) != 0)
+    q = rand((2, 4, 3, d), seed=23)
+    kd, vd = dequantized(cache, 0)
+    for opts in ({"causal": True}, {"window": (1000, 0), "kv_lens": np.array([1433, n_k])},
+                 {"softcap": 5.0, "alibi_slopes": np.array([0.5, 0.25, 0.125, 0.0625])}):
+        out = cache.attention(0, q, **opts)
+        want = reference.attention(q.astype(np.float64), kd, vd, **opts)
+        np.testing.assert_allclose(out, want, atol=3e-6, rtol=0, err_msg=str(opts))
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])

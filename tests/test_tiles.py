@@ -292,13 +292,13 @@ def _row_blocks(a, b, rows, cols, k, ahead):
     whole = np.zeros(rows * cols, dtype=a.dtype)
     single = np.zeros(rows * cols, dtype=a.dtype)
     if ahead:
-        tile_product_ahead(whole, 0, cols, a, 0, k, 1, b, 0, cols, rows, cols, k, 2 * cols)
+        tile_product_ahead(whole, 0, cols, a, 0, k, 1, b, 0, cols, 1, rows, cols, k, 2 * cols)
     else:
         tile_product(whole, 0, cols, a, 0, k, 1, b, 0, cols, 1, rows, cols, k, False, False)
     for r in range(rows):
         if ahead:
-            tile_product_ahead(single, r * cols, cols, a, r * k, k, 1, b, 0, cols, 1, cols, k,
-                               2 * cols)
+            tile_product_ahead(single, r * cols, cols, a, r * k, k, 1, b, 0, cols, 1, 1, cols,
+                               k, 2 * cols)
         else:
             tile_product(single, r * cols, cols, a, r * k, k, 1, b, 0, cols, 1, 1, cols, k,
                          False, False)

@@ -6,7 +6,7 @@ import numba
 
 from . import _checks, config, masks
 from ._cpu.backward import run_backward
-from ._cpu.decode import MAX_NQ, keys_of_blocks, run_decode
+from ._cpu.decode import MAX_NQ, keys_of_blocks, run_decode, values_of_blocks
 from ._cpu.forward import run_forward
 
 __all__ = ["attention", "attention_backward", "attention_vjp", "merge", "set_num_threads",
@@ -71,20 +71,22 @@ def attention(q, k, v, *, causal=False, scale=None, mask=None, window=None, kv_l
                       k_scale=k_scale, v_scale=v_scale, device=device)
 
 
-def attention_on_key_blocks(q, k_blocks, n_k, v, options):
-    """``attention(q, k, v, **options)`` for ``KVCache``, whose K is held in blocks of keys:
-    ``k_blocks`` (B, Hkv, blocks, D, ``decode.KEY_BLOCK``), its first ``n_k`` keys. The decode
-    path reads the blocks in place; any other gets K as an array (a copy). The checks are
-    ``attention``'s, on a stand-in for K of its shape and dtype that holds no memory."""
-    n_b, n_hkv, _, d, _ = k_blocks.shape
-    k = np.ndarray((n_b, n_hkv, n_k, d), k_blocks.dtype, buffer=_zero_of(k_blocks.dtype),
-                   strides=(0, 0, 0, 0))
+def attention_on_blocks(q, k_blocks, v_blocks, n_k, options):
+    """``attention(q, k, v, **options)`` for ``KVCache``, whose K and V are held in blocks of
+    ``decode.KEY_BLOCK`` keys (``decode.block_layout``), their first ``n_k`` keys. The decode
+    path reads the blocks in place; any other gets K and V as arrays. The checks are
+    ``attention``'s, on stand-ins for K and V of their shapes and dtype that hold no memory."""
+    n_b, n_hkv, _, _, d, _ = k_blocks.shape
+    dv = v_blocks.shape[3] * v_blocks.shape[5]
+    k, v = (np.ndarray((n_b, n_hkv, n_k, width), x.dtype, buffer=_zero_of(x.dtype),
+                       strides=(0, 0, 0, 0)) for x, width in ((k_blocks, d), (v_blocks, dv)))
+    kv_blocks = (k_blocks, v_blocks)
     if options.keys() <= {"causal", "scale"}:
         result = _plain_decode(q, k, v, options.get("causal", False), options.get("scale"),
-                               k_blocks)
+                               kv_blocks)
         if result is not None:
             return result
-    return _attention(q, k, v, k_blocks, **options)
+    return _attention(q, k, v, kv_blocks, **options)
 
 
 @functools.cache
@@ -92,15 +94,16 @@ def _zero_of(dtype):
     return np.zeros(1, dtype)
 
 
-def _attention(q, k, v, k_blocks, *, causal=False, scale=None, mask=None, window=None,
+def _attention(q, k, v, kv_blocks, *, causal=False, scale=None, mask=None, window=None,
                kv_lens=None, alibi_slopes=None, softcap=None, dropout_p=0.0, seed=None,
                return_lse=False, out=None, k_scale=None, v_scale=None, device=None):
-    """``attention`` after the plain decode path; ``k_blocks``: as ``attention_on_key_blocks``
-    (``k`` then its stand-in), or None."""
+    """``attention`` after the plain decode path; ``kv_blocks``: as ``attention_on_blocks``
+    (``k`` and ``v`` then their stand-ins), or None."""
     return_lse = _checks.flag("return_lse", return_lse)
     if _on_cuda(q, device):
-        if k_blocks is not None:
-            k = keys_of_blocks(k_blocks, k.shape[2])
+        if kv_blocks is not None:
+            k = keys_of_blocks(kv_blocks[0], k.shape[2])
+            v = values_of_blocks(kv_blocks[1], k.shape[2])
         return _cuda_dispatch().attention(
             q, k, v, causal=causal, scale=scale, mask=mask, window=window, kv_lens=kv_lens,
             alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p, seed=seed,
@@ -113,10 +116,10 @@ def _attention(q, k, v, k_blocks, *, causal=False, scale=None, mask=None, window
     k4, v4 = (call.in_storage(x) for x in (k, v))  # a float16/int8 cache stays as it is
     direct = (out is not None and out.dtype == call.compute and out.flags.c_contiguous
               and not any(np.may_share_memory(out, x)
-                          for x in (q4, k4 if k_blocks is None else k_blocks, v4)))
+                          for x in ((q4, k4, v4) if kv_blocks is None else (q4, *kv_blocks))))
     o4, lse = run_forward(q4, k4, v4, call.scale, call.band, call.mods, call.mask, call.drop,
                           config.PORTABLE, out=_checks.as_4d(out) if direct else None,
-                          kv_scales=call.kv_scales, k_blocks=k_blocks)
+                          kv_scales=call.kv_scales, kv_blocks=kv_blocks)
 
     result = o4.reshape(out_shape)
     if out is not None and not direct:
@@ -131,7 +134,7 @@ def _attention(q, k, v, k_blocks, *, causal=False, scale=None, mask=None, window
     return result
 
 
-def _plain_decode(q, k, v, causal, scale, k_blocks=None):
+def _plain_decode(q, k, v, causal, scale, kv_blocks=None):
     """A decode step with no option but ``causal`` and ``scale``, straight to the decode path,
     or None for anything else (the general path then checks it, and raises what it must).
 
@@ -142,8 +145,8 @@ def _plain_decode(q, k, v, causal, scale, k_blocks=None):
     accept as they stand: 4-D numpy q, k, v with q float32 or float64, k and v of q's dtype (or
     a float16 cache with float32 q), matching shapes with ``Hq % Hkv == 0``, 1 to ``MAX_NQ``
     queries, at least one key, ``causal`` a bool, ``scale`` None or a float. It runs the same
-    kernel on the same arguments as the general path (the same bits). ``k_blocks``: as
-    ``attention_on_key_blocks``."""
+    kernel on the same arguments as the general path (the same bits). ``kv_blocks``: as
+    ``attention_on_blocks``."""
     if not (type(q) is np.ndarray and type(k) is np.ndarray and type(v) is np.ndarray
             and q.ndim == 4 and k.ndim == 4 and v.ndim == 4 and not config.PORTABLE
             and (causal is True or causal is False)):
@@ -163,7 +166,7 @@ def _plain_decode(q, k, v, causal, scale, k_blocks=None):
                          masks.band(causal, None, None, n_b, n_k),
                          masks.modifiers(None, None, n_b, n_hq),
                          masks.UserMask(None, n_b, n_hq, n_q, n_k, dtype), masks.NO_DROPOUT,
-                         k_blocks=k_blocks)
+                         kv_blocks=kv_blocks)
     return None if decoded is None else decoded[0]
 
 

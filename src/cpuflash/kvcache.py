@@ -26,9 +26,10 @@ int8 is symmetric, one scale per token and head (``quantize_int8``): ``x ~= x8 *
 import numpy as np
 
 from . import _checks
-from ._cpu.decode import KEY_BLOCK, keys_of_blocks
+from ._cpu.decode import (KEY_BLOCK, key_panel_width, keys_of_blocks, value_panel_width,
+                          values_of_blocks)
 from ._cpu.pack import on_line
-from .api import attention_on_key_blocks
+from .api import attention_on_blocks
 
 STORAGE_DTYPES = (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16),
                   np.dtype(np.int8))
@@ -94,20 +95,23 @@ class KVCache:
         # every AVX-512 load of a K/V row would straddle two (measured: the chunk loop of a
         # float32 decode step about 5 % slower on one thread).
         n_blocks = -(-max_len // KEY_BLOCK)
-        self.k_blocks = on_line((layers, batch, kv_heads, n_blocks, head_dim, KEY_BLOCK), dtype,
-                                zeroed=True)
-        self.v = on_line((layers, batch, kv_heads, max_len, v_head_dim), dtype, zeroed=True)
+        compute = np.dtype(np.float32) if dtype.itemsize < 4 else dtype
+        w, u = key_panel_width(compute), value_panel_width(compute, v_head_dim)
+        self.k_blocks = on_line((layers, batch, kv_heads, n_blocks, KEY_BLOCK // w, head_dim, w),
+                                dtype, zeroed=True)
+        self.v_blocks = on_line((layers, batch, kv_heads, n_blocks, v_head_dim // u, KEY_BLOCK,
+                                 u), dtype, zeroed=True)
         self.lengths = np.zeros(layers, dtype=np.int64)  # tokens held by each layer
         if dtype == np.int8:
-            self.k_scale = np.zeros(self.v.shape[:-1], np.float32)
-            self.v_scale = np.zeros(self.v.shape[:-1], np.float32)
+            self.k_scale = np.zeros((layers, batch, kv_heads, max_len), np.float32)
+            self.v_scale = np.zeros((layers, batch, kv_heads, max_len), np.float32)
         else:
             self.k_scale = self.v_scale = None
 
     @property
     def nbytes(self):
         scales = 0 if self.k_scale is None else self.k_scale.nbytes + self.v_scale.nbytes
-        return self.k_blocks.nbytes + self.v.nbytes + scales
+        return self.k_blocks.nbytes + self.v_blocks.nbytes + scales
 
     def _layer(self, layer):
         if not _checks.is_integer(layer):
@@ -121,8 +125,9 @@ class KVCache:
         place (converted to the cache's dtype; int8 quantized per token and head). Raises
         ValueError, writing nothing, if the cache would overflow ``max_len``."""
         layer = self._layer(layer)
-        _, n_b, n_h, _, d, _ = self.k_blocks.shape
-        for name, x, width in (("k", k, d), ("v", v, self.v.shape[4])):
+        _, n_b, n_h, _, _, d, w = self.k_blocks.shape
+        u = self.v_blocks.shape[6]
+        for name, x, width in (("k", k, d), ("v", v, self.v_blocks.shape[4] * u)):
             _checks.array(name, x)
             if x.ndim != 4 or x.shape[:2] != (n_b, n_h) or x.shape[3] != width:
                 raise ValueError(f"{name}: expected shape (B, Hkv, n, D) = ({n_b}, {n_h}, n, "
@@ -136,28 +141,33 @@ class KVCache:
                              f"{self.max_len} tokens; appending {n_new} would exceed it")
         stop = start + n_new
         if self.dtype == np.int8:
-            (k, k_scale), (v8, v_scale) = quantize_int8(k, name="k"), quantize_int8(v, name="v")
+            (k, k_scale), (v, v_scale) = quantize_int8(k, name="k"), quantize_int8(v, name="v")
             self.k_scale[layer, :, :, start:stop] = k_scale
-            self.v[layer, :, :, start:stop], self.v_scale[layer, :, :, start:stop] = v8, v_scale
-        else:
-            self.v[layer, :, :, start:stop] = v
-        blocks = self.k_blocks[layer]
+            self.v_scale[layer, :, :, start:stop] = v_scale
+        k_blocks, v_blocks = self.k_blocks[layer], self.v_blocks[layer]
+        # V's rows cut into their panels: (B, Hkv, n, panels, u) -> (B, Hkv, panels, n, u)
+        v_panels = v.reshape(n_b, n_h, n_new, -1, u).transpose(0, 1, 3, 2, 4)
         for block in range(start // KEY_BLOCK, -(-stop // KEY_BLOCK)):  # the blocks it spans
             first = max(start, block * KEY_BLOCK)  # its first new key, at ``at`` in the block
             at, n = first - block * KEY_BLOCK, min(stop, (block + 1) * KEY_BLOCK) - first
-            blocks[:, :, block, :, at:at + n] = k[:, :, first - start:first - start + n] \
-                .transpose(0, 1, 3, 2)
+            src = first - start
+            v_blocks[:, :, block, :, at:at + n] = v_panels[:, :, :, src:src + n]
+            for panel in range(at // w, -(-(at + n) // w)):  # K^T's panels of w keys
+                lo, hi = max(at, panel * w), min(at + n, (panel + 1) * w)  # its new keys
+                k_blocks[:, :, block, panel, :, lo - panel * w:hi - panel * w] = \
+                    k[:, :, src + lo - at:src + hi - at].transpose(0, 1, 3, 2)
         self.lengths[layer] = stop
 
     def view(self, layer):
         """The filled part of a layer as arguments for ``cpuflash.attention``: ``(k, v,
         scales)``, ``k`` (B, Hkv, length, D) a copy (K is stored in blocks of keys, which no
-        strided view can show), ``v`` a view and, for int8, ``scales = {"k_scale": ...,
-        "v_scale": ...}`` views (else ``{}``). ``attention`` reads the cache in place."""
+        strided view can show), ``v`` (B, Hkv, length, Dv) a view where V's blocks hold whole
+        rows, else a copy, and, for int8, ``scales = {"k_scale": ..., "v_scale": ...}`` views
+        (else ``{}``). ``attention`` reads the cache in place."""
         layer = self._layer(layer)
         n = int(self.lengths[layer])
         k = keys_of_blocks(self.k_blocks[layer], n)
-        v = self.v[layer, :, :, :n]
+        v = values_of_blocks(self.v_blocks[layer], n)
         if self.k_scale is None:
             return k, v, {}
         return k, v, {"k_scale": self.k_scale[layer, :, :, :n],
@@ -177,8 +187,7 @@ class KVCache:
                     raise TypeError(f"{name}: the cache's own; not an option here")
             options = {"k_scale": self.k_scale[layer, :, :, :n],
                        "v_scale": self.v_scale[layer, :, :, :n], **options}
-        return attention_on_key_blocks(q, self.k_blocks[layer], n, self.v[layer, :, :, :n],
-                                       options)
+        return attention_on_blocks(q, self.k_blocks[layer], self.v_blocks[layer], n, options)
 
     def reset(self):
         """Forget every token (the storage is kept)."""

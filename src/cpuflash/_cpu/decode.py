@@ -30,6 +30,7 @@ import numpy as np
 from numba import prange
 from numpy.lib.stride_tricks import as_strided
 
+from .. import config
 from . import simd
 from ._jit import helper, kernel
 from .tasks import unravel
@@ -269,26 +270,40 @@ def hint_next_block(kf, k_head, k_step, d, c0, j_start, j_stop):
 
 
 @helper
-def transposed_scores(s, ld, q_s, rows, d, kf, k_off, k_step, k_block, n_c, ahead):
+def key_offset(t, k_step, k_panel):
+    """Where key ``t`` of a block of a transposed K starts: at ``t`` where a row of K^T holds
+    the block's keys (``k_panel = 1``); in KVCache's panels of ``k_step`` keys, each (D,
+    k_step) and ``k_panel * k_step`` apart (``block_layout``), at its panel's start plus its
+    column."""
+    if k_panel == 1:
+        return t
+    return t // k_step * k_step * k_panel + t % k_step
+
+
+@helper
+def transposed_scores(s, ld, q_s, rows, d, kf, k_off, k_step, k_block, k_panel, n_c, ahead):
     """``s[r, jj] = q_r . k_jj`` for ``jj < n_c`` (rows ``ld`` apart in ``s``) of a
-    transposed K: dim ``dd`` of key ``jj = KEY_BLOCK * n + t`` at ``kf[k_off + n*k_block + t +
-    dd*k_step]``. A tile product over all ``d`` rows of K^T per block of keys for their whole
-    vectors, each row it reads also hinted ``ahead`` elements further on (none if 0: see
-    ``AHEAD``); the keys past them by scalar dot products."""
+    transposed K: dim ``dd`` of key ``jj = KEY_BLOCK * n + t`` at ``kf[k_off + n*k_block +
+    key_offset(t, k_step, k_panel) + dd*k_step]``. A tile product over all ``d`` rows of K^T
+    per block of keys for their whole vectors (its panels of columns ``k_panel`` apart), each
+    row it reads also hinted ``ahead`` elements further on (none if 0: see ``AHEAD``); the
+    keys past them by scalar dot products."""
     n_vec = n_c // simd.lanes_of(s) * simd.lanes_of(s)
     for first in range(0, n_vec, KEY_BLOCK):
         at = k_off + first // KEY_BLOCK * k_block
         cols = min(KEY_BLOCK, n_vec - first)
         if ahead > 0:
-            tile_product_ahead(s, first, ld, q_s, 0, d, 1, kf, at, k_step, rows, cols, d,
-                               ahead)
+            tile_product_ahead(s, first, ld, q_s, 0, d, 1, kf, at, k_step, k_panel, rows, cols,
+                               d, ahead)
         else:
-            tile_product(s, first, ld, q_s, 0, d, 1, kf, at, k_step, 1, rows, cols, d,
+            tile_product(s, first, ld, q_s, 0, d, 1, kf, at, k_step, k_panel, rows, cols, d,
                          False, False)
     for r in range(rows):
         for jj in range(n_vec, n_c):
             s[r * ld + jj] = dot_strided(
-                q_s, r * d, kf, k_off + jj // KEY_BLOCK * k_block + jj % KEY_BLOCK, k_step, d)
+                q_s, r * d, kf,
+                k_off + jj // KEY_BLOCK * k_block + key_offset(jj % KEY_BLOCK, k_step, k_panel),
+                k_step, d)
 
 
 @helper
@@ -320,8 +335,8 @@ def combine_row(m_part, l_part, acc_part, out, lse, b, h, i):
 
 @kernel(strided=("q", "k", "v", "k_scale_4", "v_scale_4", "mask_bools", "mask_adds"),
         read_only=("kv_lens", "slopes2"))
-def decode(q, k, k_strides, k_block, k_storage, prefetch, v, v_strides, k_scale_4,
-           ks_strides, v_scale_4, vs_strides, n_hkv, n_k, d, dv, n_splits, chunk, scale2, left,
+def decode(q, k, k_strides, k_block, k_panel, k_storage, prefetch, v, v_strides, v_block,
+           v_panel, k_scale_4, ks_strides, v_scale_4, vs_strides, n_hkv, n_k, d, dv, n_splits, chunk, scale2, left,
            right, kv_lens, softcap2, slopes2, mask_bools, mask_adds, mask_is_bool, mask_given,
            drop_below, inv_keep, seed, m_part, l_part, acc_part, out, lse, serial_merge):
     """q: (B, Hq, Nq, D) any strides, compute dtype. k, v: 4-D arrays in their storage type
@@ -361,6 +376,10 @@ def decode(q, k, k_strides, k_block, k_storage, prefetch, v, v_strides, k_scale_
     # P @ V by the micro-kernel, V rows read in place, when they are whole vectors (a padded
     # read past the last row would leave the array); else one row update per key.
     tiled = dv == dv_vec
+    # V by rows ``v_strides[2]`` apart (an array), or in KVCache's blocks of KEY_BLOCK keys,
+    # ``v_block`` apart, each in panels of ``v_strides[2]`` columns ``KEY_BLOCK * v_strides[2]``
+    # apart (``v_panel = KEY_BLOCK``; ``block_layout``).
+    v_by_rows = v_panel == 1 and v_block == KEY_BLOCK * v_strides[2]
     ld = dv  # acc row stride
     # whole chunks per split: every chunk but the array's last is full and starts aligned
     split_len = ((n_k + n_splits - 1) // n_splits + CHUNK - 1) // CHUNK * CHUNK
@@ -413,7 +432,7 @@ def decode(q, k, k_strides, k_block, k_storage, prefetch, v, v_strides, k_scale_
                     for c1 in range(c0, c0 + n_c, CHUNK):
                         hint_next_block(kf, k_head, k_strides[3], d, c1, j_start, j_stop)
                 transposed_scores(s, chunk, q_s, rows, d, kf, k_chunk, k_strides[3], k_block,
-                                  n_c, AHEAD * CHUNK // KEY_BLOCK * k_block
+                                  k_panel, n_c, AHEAD * CHUNK // KEY_BLOCK * k_block
                                   if prefetch & HINT_K else 0)
             else:
                 chunk_scores(s, chunk, q_s, rows, d, d_vec, kf, k_chunk, k_strides[2], n_c,
@@ -455,21 +474,37 @@ def decode(q, k, k_strides, k_block, k_storage, prefetch, v, v_strides, k_scale_
                                  vs_strides[2], n_c)
             skip = max(0, j_first - c0)  # keys before the band: first chunk only
             if tiled:
-                v_off = v_head + (c0 + skip) * v_strides[2]
-                if prefetch & HINT_V:
-                    tile_product_ahead(pv, 0, ld, s, skip, chunk, 1, vf, v_off, v_strides[2],
-                                       rows, dv, n_c - skip, AHEAD * CHUNK * v_strides[2])
-                else:
-                    tile_product(pv, 0, ld, s, skip, chunk, 1, vf, v_off, v_strides[2], 1,
-                                 rows, dv, n_c - skip, False, False)
+                v_ahead = AHEAD * CHUNK // KEY_BLOCK * v_block
+                if v_by_rows:  # the chunk in one product
+                    v_off = v_head + (c0 + skip) * v_strides[2]
+                    if prefetch & HINT_V:
+                        tile_product_ahead(pv, 0, ld, s, skip, chunk, 1, vf, v_off,
+                                           v_strides[2], 1, rows, dv, n_c - skip, v_ahead)
+                    else:
+                        tile_product(pv, 0, ld, s, skip, chunk, 1, vf, v_off, v_strides[2], 1,
+                                     rows, dv, n_c - skip, False, False)
+                else:  # KVCache's blocks of panels: a product per block, summed into pv
+                    # after the first (the same sums in the same order), each block hinted
+                    # whole where V is (its lines in one go: the products' hints set pv)
+                    j0 = c0 + skip
+                    while j0 < c0 + n_c:
+                        j1 = min(c0 + n_c, (j0 // KEY_BLOCK + 1) * KEY_BLOCK)
+                        block_at = v_head + j0 // KEY_BLOCK * v_block
+                        if prefetch & HINT_V:
+                            hint_rows(vf, block_at + v_ahead, 0, 0, 1, KEY_BLOCK * dv)
+                        tile_product(pv, 0, ld, s, j0 - c0, chunk, 1, vf,
+                                     block_at + j0 % KEY_BLOCK * v_strides[2], v_strides[2],
+                                     v_panel, rows, dv, j1 - j0, j0 > c0 + skip, False)
+                        j0 = j1
                 rescale_add(acc, pv, ld, rows, alpha_i, False)
             else:
                 for r in range(rows):
                     for c in range(dv):
                         acc[r * ld + c] *= alpha_i[r]
                     for jj in range(skip, n_c):
-                        axpy_row(acc, r * ld, s[r * chunk + jj], vf,
-                                 v_head + (c0 + jj) * v_strides[2], dv, dv_vec)
+                        j = c0 + jj
+                        axpy_row(acc, r * ld, s[r * chunk + jj], vf, v_head + j // KEY_BLOCK
+                                 * v_block + j % KEY_BLOCK * v_strides[2], dv, dv_vec)
         for g in range(group):
             for i in range(n_q):
                 r = g * n_q + i
@@ -532,36 +567,70 @@ def _storage_view(x):
     return x.view(np.uint16) if x.dtype == np.float16 else x
 
 
-def block_layout(k_blocks):
-    """KVCache's K in blocks of KEY_BLOCK keys, (B, Hkv, blocks, D, KEY_BLOCK) with the last
-    two axes contiguous, as the decode kernel reads it: ``(k, k_strides, k_block)`` with ``k``
-    a 4-D view (B, Hkv, blocks, D * KEY_BLOCK) in its storage type (see ``decode``)."""
-    x = _storage_view(k_blocks)
-    n_b, n_hkv, n_blocks, d, _ = x.shape
-    st, item = x.strides, x.itemsize
-    return (x.reshape(n_b, n_hkv, n_blocks, d * KEY_BLOCK),
-            (st[0] // item, st[1] // item, 1, KEY_BLOCK), st[2] // item)
+def key_panel_width(dtype):
+    """Keys per panel of KVCache's K for compute ``dtype``: the micro-kernel's width
+    (``config.panel_width``: 16 float32 on AVX2, 64 on AVX-512), at most KEY_BLOCK."""
+    return min(KEY_BLOCK, config.panel_width(np.dtype(dtype)))
+
+
+def value_panel_width(dtype, dv):
+    """Columns per panel of KVCache's V for compute ``dtype`` and head dim ``dv``: the
+    micro-kernel's width where it divides ``dv``, else ``dv`` (rows)."""
+    width = config.panel_width(np.dtype(dtype))
+    return width if dv % width == 0 else dv
+
+
+def block_layout(k_blocks, v_blocks):
+    """KVCache's K and V in blocks of KEY_BLOCK keys, as the decode kernel reads them: K (B,
+    Hkv, blocks, KEY_BLOCK // w, D, w), each block its keys' K^T in panels of ``w`` keys; V (B,
+    Hkv, blocks, Dv // u, KEY_BLOCK, u), each block its values in panels of ``u`` columns (the
+    last three axes of each contiguous). Returns ``(k, k_strides, k_block, k_panel, v,
+    v_strides, v_block, v_panel)``, ``k`` and ``v`` 4-D views (B, Hkv, blocks, block) in their
+    storage type (see ``decode``)."""
+    k, v = _storage_view(k_blocks), _storage_view(v_blocks)
+    n_b, n_hkv, n_blocks, n_panels, d, w = k.shape
+    u = v.shape[5]
+    k_item, v_item = k.itemsize, v.itemsize
+    return (k.reshape(n_b, n_hkv, n_blocks, KEY_BLOCK * d),
+            (k.strides[0] // k_item, k.strides[1] // k_item, 1, w), k.strides[2] // k_item,
+            d if n_panels > 1 else 1,
+            v.reshape(n_b, n_hkv, n_blocks, -1),
+            (v.strides[0] // v_item, v.strides[1] // v_item, u, 1), v.strides[2] // v_item,
+            KEY_BLOCK if v.shape[3] > 1 else 1)
 
 
 def keys_of_blocks(k_blocks, n_k):
-    """The first ``n_k`` keys of K in blocks (B, Hkv, blocks, D, KEY_BLOCK) as a (B, Hkv, n_k,
-    D) array (a copy)."""
-    n_b, n_hkv, _, d, _ = k_blocks.shape
+    """The first ``n_k`` keys of K in KVCache's blocks (B, Hkv, blocks, panels, D, w) as a (B,
+    Hkv, n_k, D) array (a copy)."""
+    n_b, n_hkv, n_blocks, _, d, _ = k_blocks.shape
     n_blocks = -(-n_k // KEY_BLOCK)
-    keys = np.empty((n_b, n_hkv, n_blocks, KEY_BLOCK, d), k_blocks.dtype)
-    keys[...] = k_blocks[:, :, :n_blocks].transpose(0, 1, 2, 4, 3)
+    keys = np.empty((n_b, n_hkv, n_blocks, k_blocks.shape[3], k_blocks.shape[5], d),
+                    k_blocks.dtype)
+    keys[...] = k_blocks[:, :, :n_blocks].transpose(0, 1, 2, 3, 5, 4)
     return keys.reshape(n_b, n_hkv, n_blocks * KEY_BLOCK, d)[:, :, :n_k]
 
 
+def values_of_blocks(v_blocks, n_k):
+    """The first ``n_k`` values of V in KVCache's blocks (B, Hkv, blocks, panels, KEY_BLOCK,
+    u) as a (B, Hkv, n_k, Dv) array (a view where V's panels are whole rows, else a copy)."""
+    n_b, n_hkv, n_blocks, n_panels, _, u = v_blocks.shape
+    n_blocks = -(-n_k // KEY_BLOCK)
+    if n_panels == 1:
+        return v_blocks.reshape(n_b, n_hkv, -1, u)[:, :, :n_k]
+    values = np.empty((n_b, n_hkv, n_blocks, KEY_BLOCK, n_panels, u), v_blocks.dtype)
+    values[...] = v_blocks[:, :, :n_blocks].transpose(0, 1, 2, 4, 3, 5)
+    return values.reshape(n_b, n_hkv, n_blocks * KEY_BLOCK, n_panels * u)[:, :, :n_k]
+
+
 def run_decode(q, k, v, scale, band, mods, user_mask, drop, out=None, kv_scales=None,
-               lse=None, k_blocks=None):
+               lse=None, kv_blocks=None):
     """The decode path for 4-D arrays, or None where it does not apply (``Nq`` large, or K or V
     rows not unit-stride): the caller then takes the tiled path. ``q`` is in the compute dtype;
     ``k``, ``v`` in it too, or a float16 cache (float32 compute), or int8 with ``kv_scales =
     (k_scale, v_scale)`` of shape (B, Hkv, Nk), read in place either way. ``band``: the
     ``(left, right, kv_lens)`` of masking.py. ``out``, ``lse``: written in place if given.
-    ``k_blocks``: K in KVCache's blocks (``block_layout``), read in their place; ``k`` then
-    gives only K's shape and dtype.
+    ``kv_blocks``: ``(k_blocks, v_blocks)``, K and V in KVCache's blocks (``block_layout``),
+    read in their place; ``k`` and ``v`` then give only their shapes and dtypes.
 
     This Python runs right after the previous step's kernel has streamed K/V through the
     caches, where each numpy call costs several microseconds: it stays short."""
@@ -571,16 +640,17 @@ def run_decode(q, k, v, scale, band, mods, user_mask, drop, out=None, kv_scales=
     n_hkv, n_k, dv = v.shape[1], v.shape[2], v.shape[3]
     if n_q > MAX_NQ or n_k == 0 or q.size == 0 or v.size == 0:
         return None
-    v_store = _storage_view(v)
-    v_steps = element_strides(v_store)
-    if k_blocks is not None:
-        k_store, k_steps, k_block = block_layout(k_blocks)
-    else:  # K with unit-stride rows, or transposed (unit-stride keys)
-        k_store = _storage_view(k)
+    if kv_blocks is not None:
+        k_store, k_steps, k_block, k_panel, v_store, v_steps, v_block, v_panel = \
+            block_layout(*kv_blocks)
+    else:  # K with unit-stride rows, or transposed (unit-stride keys); V by rows
+        k_store, v_store = _storage_view(k), _storage_view(v)
         k_steps = element_strides(k_store, unit_axes=(3, 2))
-        k_block = 0 if k_steps is None else KEY_BLOCK * k_steps[2]
-    if k_steps is None or v_steps is None:
-        return None
+        v_steps = element_strides(v_store)
+        if k_steps is None or v_steps is None:
+            return None
+        k_block, k_panel = KEY_BLOCK * k_steps[2], 1
+        v_block, v_panel = KEY_BLOCK * v_steps[2], 1
     dtype = q.dtype
     if kv_scales is None:
         (k_scale, ks_strides), (v_scale, vs_strides) = (_no_scales(dtype),) * 2
@@ -597,9 +667,9 @@ def run_decode(q, k, v, scale, band, mods, user_mask, drop, out=None, kv_scales=
         lse = np.empty((n_b, n_hq, n_q), dtype=dtype)
     k_storage = k.dtype != dtype
     prefetch = hinted(k_storage, k_steps[3] != 1, k_block != KEY_BLOCK * k_steps[2])
-    decode(q, k_store, k_steps, k_block, k_storage, prefetch, v_store, v_steps, k_scale,
-           ks_strides, v_scale, vs_strides, n_hkv, n_k, d, dv, n_splits, chunk, scale * LOG2_E,
-           left, right, kv_lens, softcap2, slopes2, *user_mask.kernel_args(), user_mask.given,
-           drop[0], drop[2], drop[1], m_part, l_part, acc_part, out, lse,
-           acc_part.size <= SERIAL_COMBINE)
+    decode(q, k_store, k_steps, k_block, k_panel, k_storage, prefetch, v_store, v_steps,
+           v_block, v_panel, k_scale, ks_strides, v_scale, vs_strides, n_hkv, n_k, d, dv,
+           n_splits, chunk, scale * LOG2_E, left, right, kv_lens, softcap2, slopes2,
+           *user_mask.kernel_args(), user_mask.given, drop[0], drop[2], drop[1], m_part, l_part,
+           acc_part, out, lse, acc_part.size <= SERIAL_COMBINE)
     return out, lse

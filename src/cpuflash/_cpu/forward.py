@@ -38,7 +38,7 @@ from . import sequences, simd
 from ._jit import helper, kernel, portable_twin
 from .sequences import BLOCK_Q, N_Q, N_QB, Q_BATCH, Q_ROW0, TASK0, TILE0, TILES, find_task
 from .tasks import run_dynamic
-from .decode import keys_of_blocks, run_decode
+from .decode import keys_of_blocks, run_decode, values_of_blocks
 from ..masks import UserMask
 from .pack import empty, packed_kv, packed_varlen, scratch
 from .masking import (HIDDEN, MIXED, apply_user_mask, mask_tile, tile_key_range,
@@ -186,14 +186,15 @@ forward_portable = portable_twin(forward)
 
 
 def run_forward(q, k, v, scale, band, mods, user_mask, drop, portable, out=None,
-                kv_scales=None, k_blocks=None):
+                kv_scales=None, kv_blocks=None):
     """Pack K/V and run the kernel on 4-D arrays of one compute dtype (float32 or float64).
 
     ``k``, ``v`` may also be a K/V cache in a storage type (float16, or int8 with
     ``kv_scales = (k_scale, v_scale)``, (B, Hkv, Nk) each): the decode path reads it in place;
-    the tiled path converts it to the compute dtype first. ``k_blocks``: K in KVCache's blocks
-    of keys (``decode.block_layout``), ``k`` then only its shape and dtype: the decode path
-    reads the blocks in place, the tiled path gets K from them as an array (a copy).
+    the tiled path converts it to the compute dtype first. ``kv_blocks``: ``(k_blocks,
+    v_blocks)``, K and V in KVCache's blocks of keys (``decode.block_layout``), ``k`` and ``v``
+    then only their shapes and dtypes: the decode path reads the blocks in place, the tiled
+    path gets K and V from them as arrays.
 
     Returns ``out`` (B, Hq, Nq, Dv), contiguous, and ``lse`` (B, Hq, Nq), both in that dtype.
     ``out``, if given, must be such an array; it is written in place. ``band``: the
@@ -213,11 +214,11 @@ def run_forward(q, k, v, scale, band, mods, user_mask, drop, portable, out=None,
         lse[...] = -np.inf
         return out, lse
     decoded = (run_decode(q, k, v, scale, band, mods, user_mask, drop, out, kv_scales, lse,
-                          k_blocks) if not portable else None)
+                          kv_blocks) if not portable else None)
     if decoded is not None:
         return decoded
-    if k_blocks is not None:
-        k = keys_of_blocks(k_blocks, n_k)
+    if kv_blocks is not None:
+        k, v = keys_of_blocks(kv_blocks[0], n_k), values_of_blocks(kv_blocks[1], n_k)
     left, right, kv_lens = band
     if kv_scales is not None:  # int8 times its per-token scale, in the compute dtype
         k, v = (x * x_scale[..., None].astype(q.dtype) for x, x_scale in zip((k, v), kv_scales))

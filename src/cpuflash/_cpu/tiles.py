@@ -290,12 +290,12 @@ def tile_product_max(c, c_off, ldc, a, a_off, a_rs, a_ks, b, b_off, b_panel, row
 
 
 @helper
-def tile_product_ahead(c, c_off, ldc, a, a_off, a_rs, a_ks, b, b_off, b_ld, rows, cols, k,
-                       ahead):
-    """``C[:rows, :cols] = A[:rows, :k] @ B[:k, :cols]`` as ``tile_product`` (SIMD, a
-    row-major B with row stride ``b_ld``), prefetching every row of B it reads ``ahead``
-    elements further on as well (into L2: ``simd.PREFETCH_LOCALITY``): for B streamed once
-    from far caches, the decode kernel's K^T and V, where the hardware prefetcher does not keep
+def tile_product_ahead(c, c_off, ldc, a, a_off, a_rs, a_ks, b, b_off, b_ld, b_panel, rows,
+                       cols, k, ahead):
+    """``C[:rows, :cols] = A[:rows, :k] @ B[:k, :cols]`` as ``tile_product`` (SIMD, B's rows
+    ``b_ld`` apart, its panel of columns ``[c0, c0 + w)`` at ``b_off + c0 * b_panel``),
+    prefetching every row of B it reads ``ahead`` elements further on as well (into L2:
+    ``simd.PREFETCH_LOCALITY``): for B streamed once from far caches, the decode kernel's K^T and V, where the hardware prefetcher does not keep
     up with the many rows of a transposed K (``decode.AHEAD``)."""
     lanes = simd.lanes_of(c)
     step = MAX_VECS * lanes
@@ -305,13 +305,13 @@ def tile_product_ahead(c, c_off, ldc, a, a_off, a_rs, a_ks, b, b_off, b_ld, rows
         nv = min(step, cols - c0) // lanes
         for r0 in range(0, whole, MR):
             _micro_ahead(c, c_off + r0 * ldc + c0, ldc, a, a_off + r0 * a_rs, a_rs, a_ks,
-                         b, b_off + c0, b_ld, k, nv, ahead)
+                         b, b_off + c0 * b_panel, b_ld, k, nv, ahead)
         for r0 in range(whole, rest_end, max(REST_MR, 1)):
             _micro_ahead_rest(c, c_off + r0 * ldc + c0, ldc, a, a_off + r0 * a_rs, a_rs, a_ks,
-                              b, b_off + c0, b_ld, k, nv, ahead)
+                              b, b_off + c0 * b_panel, b_ld, k, nv, ahead)
         for r in range(rest_end, rows):
             _micro_ahead_row(c, c_off + r * ldc + c0, ldc, a, a_off + r * a_rs, a_rs, a_ks,
-                             b, b_off + c0, b_ld, k, nv, ahead)
+                             b, b_off + c0 * b_panel, b_ld, k, nv, ahead)
 
 
 # Probabilities below 2^-64 of their row's total are set to 0 in the backward pass: they change
