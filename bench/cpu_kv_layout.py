@@ -4,9 +4,10 @@ float32 keys, V in panels of 16 columns on AVX2; on AVX-512 one panel a block, a
 "one panel", each block's K^T whole and V by rows (stops 37-38); "rows", a transposed K of
 whole rows (up to stop 36: K^T rows of ``max_len`` keys, padded to 512 bytes past a multiple
 of 4 KiB) and V by rows, through ``cpuflash.attention`` on views. The same keys, values and
-int8 scales in each (the same bits out). A model's worth of layers (so that K/V come from DRAM, or one layer with ``--hot``), then the
-steps of each and the machine's streaming read of as many bytes timed round by round
-(``_measure.time_side_by_side``), so that the machine's drift hits all alike. Prints ms a step
+int8 scales in each (the same bits out). A model's worth of layers (so that K/V come from
+DRAM, or one layer with ``--hot``), then the steps of each and the machine's streaming read of
+as many bytes timed round by round (``_measure.time_side_by_side``), so that the machine's
+drift hits all alike. Prints ms a step
 and GB/s of unique K/V for each layout, a line a round. Not collected by pytest.
 
     python bench/cpu_kv_layout.py [--dtype float32] [--keys 32768] [--kv-heads 2]

@@ -1,22 +1,27 @@
 """A preallocated K/V cache for incremental decoding, in float32/float64, float16 or int8.
 
-Storage is allocated once: V as ``(layers, B, Hkv, max_len, Dv)``, and K in blocks of
-``KEY_BLOCK`` (64) keys, each block their K^T in one contiguous piece: ``(layers, B, Hkv,
-blocks, D, KEY_BLOCK)`` (16 KiB of float32 at D=64; the decode kernel's chunk of 128 keys is two
-blocks in a row). The decode kernel scores a block as a register-blocked product with the keys
-along the vector lanes (no horizontal sums), one micro-kernel call that reads the block from
-its first byte to its last (``_cpu.decode.KEY_BLOCK``). Up to stop 36, K^T had rows of
-``max_len`` keys (``(D, max_len)``, padded so that the rows fell in different cache sets): a
-chunk read 512 bytes of float32 from each of 64 rows, 64 short streams. Measured on the Zen 4
-(stop 37, Hkv=2, Nk=32768, K/V from DRAM, the two layouts side by side in one process over the
-same V, ``bench/cpu_kv_layout.py``), ms a step with blocks against rows: float32 1.06-1.25
-against 1.18-1.50, float16 0.53-0.66 against 0.69-0.86, int8 0.63-0.69 against 0.73-0.80
-(blocks faster in every round; blocks of 128 keys were as fast as rows in float32).
+Storage is allocated once, in blocks of ``KEY_BLOCK`` (64) keys per layer, batch and head,
+each block one contiguous piece: K as ``(layers, B, Hkv, blocks, KEY_BLOCK // w, D, w)``, the
+block's K^T in panels of ``w`` keys, and V as ``(layers, B, Hkv, blocks, Dv // u, KEY_BLOCK,
+u)``, the block's values in panels of ``u`` columns. ``w`` and ``u`` are the decode kernel's
+micro-kernel width in the compute dtype (``config.panel_width``: 16 float32 on AVX2, 64 on
+AVX-512, so that there a block is one panel: K^T whole, V by rows), ``u`` the whole row where
+that width does not divide Dv (``_cpu.decode.key_panel_width``, ``value_panel_width``). Each
+micro-kernel call then reads one panel from its first byte to its last, as the hardware
+prefetcher likes it; with 64-key blocks of whole rows, AVX2's 16-column calls read one 64-byte
+line of every 256-byte row, four passes over each block of K^T and over each chunk of V (stops
+37-38). Measured on the Zen 3 (stop 39, ``bench/cpu_kv_layout.py``; see the README). Up to
+stop 36, K^T had rows of ``max_len`` keys (``(D, max_len)``, padded so that the rows fell in
+different cache sets): a chunk read 512 bytes of float32 from each of 64 rows, 64 short
+streams; blocks of one panel were faster on the Zen 4 in every round (stop 37, Hkv=2,
+Nk=32768, K/V from DRAM, ms a step with blocks against rows: float32 1.06-1.25 against
+1.18-1.50, float16 0.53-0.66 against 0.69-0.86, int8 0.63-0.69 against 0.73-0.80).
 
 ``append`` writes new tokens in place and ``attention`` reads the blocks in place, so a decode
-step allocates nothing that grows with the cache; ``view`` gives K as an array, a copy (no
-strided view can show blocks). float16 and int8 caches are read in place and computed in
-float32 (the decode path of ``cpuflash.attention``).
+step allocates nothing that grows with the cache; ``view`` gives K and V as arrays, copies
+where no strided view can show the blocks (K always, V where its panels are not whole rows).
+float16 and int8 caches are read in place and computed in float32 (the decode path of
+``cpuflash.attention``).
 
 int8 is symmetric, one scale per token and head (``quantize_int8``): ``x ~= x8 * scale`` with
 ``scale = max|x| / 127`` over the head dim, so the rounding error of an element is at most

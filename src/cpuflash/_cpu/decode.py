@@ -336,22 +336,30 @@ def combine_row(m_part, l_part, acc_part, out, lse, b, h, i):
 @kernel(strided=("q", "k", "v", "k_scale_4", "v_scale_4", "mask_bools", "mask_adds"),
         read_only=("kv_lens", "slopes2"))
 def decode(q, k, k_strides, k_block, k_panel, k_storage, prefetch, v, v_strides, v_block,
-           v_panel, k_scale_4, ks_strides, v_scale_4, vs_strides, n_hkv, n_k, d, dv, n_splits, chunk, scale2, left,
-           right, kv_lens, softcap2, slopes2, mask_bools, mask_adds, mask_is_bool, mask_given,
-           drop_below, inv_keep, seed, m_part, l_part, acc_part, out, lse, serial_merge):
+           v_panel, k_scale_4, ks_strides, v_scale_4, vs_strides, n_hkv, n_k, d, dv, n_splits,
+           chunk, scale2, left, right, kv_lens, softcap2, slopes2, mask_bools, mask_adds,
+           mask_is_bool, mask_given, drop_below, inv_keep, seed, m_part, l_part, acc_part, out,
+           lse, serial_merge):
     """q: (B, Hq, Nq, D) any strides, compute dtype. k, v: 4-D arrays in their storage type
     (the compute dtype, float16 bits as uint16, or int8), read through 1-D views ``kf``,
     ``vf`` from their first elements (``span_of``: made here, not by a Python call per step).
     Key j = KEY_BLOCK * n + t (``t < KEY_BLOCK``), dim c of head (b, h) is at ``b*s0 + h*s1 +
     n*k_block + t*s2 + c*s3`` with ``k_strides = (s0, s1, s2, s3)``: a (B, Hkv, Nk, D) array
-    has ``k_block = KEY_BLOCK * s2`` (``element_strides``); KVCache's blocks (``k`` then (B,
-    Hkv, blocks, D * KEY_BLOCK)) have ``s2 = 1``, ``s3 = KEY_BLOCK`` and ``k_block`` the
-    block stride (``block_layout``). ``s3 = 1``: rows of K contiguous, scores by
-    ``vdot_keys``; ``s2 = 1``: keys contiguous, scores by the tile product. v: (B, Hkv, Nk,
-    Dv), ``v_strides`` as K's with ``s3 = 1``. ``k_storage``: whether K is in a storage type
+    has ``k_block = KEY_BLOCK * s2`` and ``k_panel = 1`` (``element_strides``). ``s3 = 1``:
+    rows of K contiguous, scores by ``vdot_keys``; ``s2 = 1``: keys contiguous, scores by the
+    tile product. KVCache's blocks (``k`` then (B, Hkv, blocks, D * KEY_BLOCK);
+    ``block_layout``) are K^T in panels of ``w`` keys, each (D, w) in one piece: ``s2 = 1``,
+    ``s3 = w``, ``k_block`` the block stride and ``k_panel = D`` (key t of a block at
+    ``key_offset``; ``k_panel = 1`` where ``w = KEY_BLOCK``). v: (B, Hkv, Nk, Dv), value j, dim
+    c at ``b*s0 + h*s1 + n*v_block + t*s2 + c`` with ``v_strides = (s0, s1, s2, 1)``, and
+    ``v_block = KEY_BLOCK * s2``, ``v_panel = 1`` for an array; KVCache's blocks (B, Hkv,
+    blocks, Dv * KEY_BLOCK) hold V in panels of ``s2`` columns, each (KEY_BLOCK, s2) in one
+    piece and ``v_panel * s2`` apart (``v_panel = KEY_BLOCK``; 1 where a panel is a whole
+    row), and P @ V runs a product per block. ``k_storage``: whether K is in a storage type
     (not the compute dtype). ``prefetch``: ``HINT_K``, ``HINT_V`` bits (``hinted``): the
-    scores' and P @ V's tile products hint K's and V's rows ``AHEAD * CHUNK`` keys ahead (and
-    with ``HINT_K`` a transposed K not in blocks is hinted ``HINT_BLOCK`` keys ahead).
+    scores' and P @ V's tile products hint K's and V's rows ``AHEAD * CHUNK`` keys ahead (V in
+    KVCache's blocks: each block's lines at once, before its product), and with ``HINT_K`` a
+    transposed K not in blocks is hinted ``HINT_BLOCK`` keys ahead.
     k_scale, v_scale: int8 dequantization scales as (B, Hkv, Nk, 1), read as K and V are, with
     strides ``ks_strides``, ``vs_strides`` over (b, h, j) (``K = kf * k_scale``), or empty
     arrays when K/V are floats.

@@ -295,8 +295,9 @@ def tile_product_ahead(c, c_off, ldc, a, a_off, a_rs, a_ks, b, b_off, b_ld, b_pa
     """``C[:rows, :cols] = A[:rows, :k] @ B[:k, :cols]`` as ``tile_product`` (SIMD, B's rows
     ``b_ld`` apart, its panel of columns ``[c0, c0 + w)`` at ``b_off + c0 * b_panel``),
     prefetching every row of B it reads ``ahead`` elements further on as well (into L2:
-    ``simd.PREFETCH_LOCALITY``): for B streamed once from far caches, the decode kernel's K^T and V, where the hardware prefetcher does not keep
-    up with the many rows of a transposed K (``decode.AHEAD``)."""
+    ``simd.PREFETCH_LOCALITY``): for B streamed once from far caches, the decode kernel's K^T
+    and V, where the hardware prefetcher does not keep up with the many rows of a transposed K
+    (``decode.AHEAD``)."""
     lanes = simd.lanes_of(c)
     step = MAX_VECS * lanes
     whole = rows // MR * MR
