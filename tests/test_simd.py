@@ -58,3 +58,13 @@ def test_exponential_edges(dtype, natural):
     assert np.all(got[4:] == 0.0)  # below the smallest normal float: flushed, never subnormal
     near = np.array([log_tiny + 1.0], dtype=dtype)  # just above: a normal result
     assert run(near, natural)[0] >= tiny
+    # Densely across the flush (where the clamp of x or of x log2(e) sits): 0, or at least
+    # half the smallest normal float (2^n p with n = -126 and p >= 2^-1/2), never the garbage
+    # of a borrow from the magic number's bits; an ulp or two off where the result is twice
+    # the smallest normal float or more.
+    sweep = np.linspace(log_tiny - 2.0, log_tiny + 2.0, 4001).astype(dtype)
+    got = run(sweep, natural).astype(np.float64)
+    assert np.all((got == 0.0) | (got >= tiny / 2)) and np.all(got < 8.0 * tiny)
+    want = (np.exp if natural else np.exp2)(sweep.astype(np.float64))
+    normal = want >= 2.0 * tiny
+    assert normal.any() and np.all(np.abs(got[normal] - want[normal]) <= 5e-7 * want[normal])

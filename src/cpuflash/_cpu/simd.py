@@ -391,9 +391,21 @@ def _exp2_ir(builder, x, natural=False):
     def splat(c, ty=vty):
         return ir.Constant(ty, [c] * vty.count)
 
+    def at_least(lowest, v):  # max(lowest, v) that keeps a NaN v: "lowest > v" is false for
+        # NaN (one vmaxps on x86)
+        return builder.select(builder.fcmp_ordered(">", splat(lowest), v), splat(lowest), v)
+
     if natural:
         unit_hi = float(np.float32(LOG2_E)) if bits == 32 else LOG2_E
         unit_lo = LOG2_E - unit_hi if bits == 32 else LOG2_E_LO
+        if not scalef:
+            # x clamped where y = x log2(e) is -bias, give or take its rounding (never below
+            # -bias - 1/2, which would borrow from the magic number's bits): n = -bias, 2^n's
+            # bits 0, e^x exactly 0, x = -inf included, with a finite f. The same bits as
+            # clamping y for every x above; and fewer live vectors than a mask kept for f
+            # (which spilled the sum's register in the softmax's loop on AVX2, 12 -> 8
+            # cycles a vector of exponentials).
+            x = at_least(-(bias * math.log(2.0)), x)
         y = builder.fmul(x, splat(unit_hi))
     else:
         y = x
@@ -401,17 +413,13 @@ def _exp2_ir(builder, x, natural=False):
         n = builder.call(_vector_intrinsic(builder, "llvm.roundeven", vty, 1), [y])
         yc = y
     else:
-        # max(lowest, y) that keeps a NaN y: "lowest > y" is false for NaN (one vmaxps on x86).
-        below = builder.fcmp_ordered(">", splat(float(-bias)), y)
-        yc = builder.select(below, splat(float(-bias)), y)
+        yc = at_least(float(-bias), y) if not natural else y
         magic = splat(1.5 * 2.0 ** mant + bias)
         t = builder.fadd(yc, magic)           # round(y) + bias in the low mantissa bits
         n = builder.fsub(t, magic)            # round(y), exactly
-    if natural:
-        f = _fma(builder, x, splat(unit_hi), builder.fsub(splat(0.0), n))
+    if natural:  # f = x log2(e) - n, one fused multiply-subtract and a correction
+        f = _fma(builder, x, splat(unit_hi), builder.fneg(n))
         f = _fma(builder, x, splat(unit_lo), f)
-        if not scalef:  # x = -inf: f would be -inf, and p * 0 NaN
-            f = builder.select(below, splat(0.0), f)
     else:
         f = builder.fsub(yc, n)               # in [-0.5, 0.5]
     coeffs = exp2_coefficients(bits)
