@@ -57,17 +57,28 @@ LOG2_E = 1.0 / LN2
 CHUNK = 128
 MAX_CHUNK = 1024
 CHUNK_SCORE_BYTES = 16384
-# Keys in a block of KVCache's K: each block is its keys' K^T, (D, KEY_BLOCK) in one piece, and
-# a chunk is CHUNK // KEY_BLOCK blocks in a row. 64 float32 keys are the columns of one
-# micro-kernel call (``tiles.MAX_VECS`` vectors of 16 lanes), which then reads its block from
-# the first byte to the last, as the hardware prefetcher likes it; with blocks of a whole
-# chunk each call read half of each 512-byte row of K^T. Measured on the Zen 4 (stop 37, a
-# model of the loop over K from DRAM, Hkv=2, Nk=32768, rounds side by side in one process):
-# 27.8 against 23.4 GB/s, faster in 10 of 10 rounds; 28.5 against 27.1, 11 of 12.
+# Keys in a block of KVCache's K and V: each block is its keys' K^T in panels of ``w`` keys,
+# (KEY_BLOCK // w, D, w), and their values in panels of ``u`` columns, (Dv // u, KEY_BLOCK, u),
+# each in one piece (``key_panel_width``, ``value_panel_width``: the micro-kernel's width, 16
+# float32 on AVX2, 64 on AVX-512, where a block is one panel); a chunk is CHUNK // KEY_BLOCK
+# blocks in a row. Each micro-kernel call reads one panel from its first byte to its last, as
+# the hardware prefetcher likes it. With blocks of one panel on AVX2 (stops 37-38), a 16-column
+# call read one 64-byte line of each 256-byte row, four passes over each block of K^T and over
+# each chunk of V. Measured on the Zen 3 (stop 39, Hkv=2, Nk=32768, from DRAM, side by side in
+# one process, ``bench/cpu_kv_layout.py``), ms a step with panels against one panel a block:
+# float32 1.41-1.53 against 1.61-1.75 (faster in 5 of 5 rounds; 73-78 % of the streaming read
+# against 66-68 %), float16 0.90-0.93 against 0.97-1.05 (4 of 4), int8 the same (0.84-0.95
+# against 0.83-1.00: bound by its arithmetic there). On the Zen 4, with blocks of one panel
+# against a whole chunk's (stop 37, a model of the loop over K from DRAM, rounds side by side
+# in one process): 27.8 against 23.4 GB/s, faster in 10 of 10 rounds; 28.5 against 27.1, 11
+# of 12.
 KEY_BLOCK = 64
 # How far ahead (``AHEAD * CHUNK`` keys) K^T's and V's rows are hinted into L2, one line per line
 # read, spread over the tile products (simd.PREFETCH_LOCALITY), where ``hinted`` says so. Since
-# stop 38 neither is hinted for K in the compute dtype by rows, and only K for KVCache's blocks
+# stop 39 KVCache's blocks in panels narrower than a block (AVX2) are not hinted at all: on the
+# Zen 3, from DRAM, side by side in one process, steps without hints were faster in 5 of 5
+# rounds in float16 (by 3-10 %) and 4 of 4 in int8 (8-27 %), and in float32 as fast (faster in
+# 4 of 6 rounds, by up to 8 %). Since stop 38 neither is hinted for K in the compute dtype by rows, and only K for KVCache's blocks
 # in the compute dtype: with chunks of up to 1024 keys the hardware prefetcher streams them as
 # well or better alone from DRAM (float32, the measurements of MAX_CHUNK: 1024 keys with both
 # hinted 30.5 and 29.7 GB/s, with neither 35.9 and 30.6, K alone 28.1; a row-major K through
@@ -125,11 +136,12 @@ def chunk_keys(rows, itemsize):
     return max(CHUNK, min(MAX_CHUNK, CHUNK_SCORE_BYTES // itemsize // rows // CHUNK * CHUNK))
 
 
-def hinted(k_storage, keys_unit, blocked):
-    """What the kernel hints ahead (``AHEAD``), as ``HINT_K | HINT_V`` bits: both for K in a
-    storage type (float16, int8) or transposed in whole rows; K alone for K in the compute
-    dtype in KVCache's blocks; neither for K in the compute dtype by rows."""
-    if not PREFETCH:
+def hinted(k_storage, keys_unit, blocked, panels=False):
+    """What the kernel hints ahead (``AHEAD``), as ``HINT_K | HINT_V`` bits: neither for
+    KVCache's blocks in ``panels`` narrower than a block (AVX2's; see ``KEY_BLOCK``); else both
+    for K in a storage type (float16, int8) or transposed in whole rows; K alone for K in the
+    compute dtype in KVCache's blocks; neither for K in the compute dtype by rows."""
+    if not PREFETCH or panels:
         return 0
     if k_storage or (keys_unit and not blocked):
         return HINT_K | HINT_V
@@ -357,9 +369,9 @@ def decode(q, k, k_strides, k_block, k_panel, k_storage, prefetch, v, v_strides,
     piece and ``v_panel * s2`` apart (``v_panel = KEY_BLOCK``; 1 where a panel is a whole
     row), and P @ V runs a product per block. ``k_storage``: whether K is in a storage type
     (not the compute dtype). ``prefetch``: ``HINT_K``, ``HINT_V`` bits (``hinted``): the
-    scores' and P @ V's tile products hint K's and V's rows ``AHEAD * CHUNK`` keys ahead (V in
-    KVCache's blocks: each block's lines at once, before its product), and with ``HINT_K`` a
-    transposed K not in blocks is hinted ``HINT_BLOCK`` keys ahead.
+    scores' and P @ V's tile products hint K's and V's rows ``AHEAD * CHUNK`` keys ahead (V by
+    rows only), and with ``HINT_K`` a transposed K not in blocks is hinted ``HINT_BLOCK`` keys
+    ahead.
     k_scale, v_scale: int8 dequantization scales as (B, Hkv, Nk, 1), read as K and V are, with
     strides ``ks_strides``, ``vs_strides`` over (b, h, j) (``K = kf * k_scale``), or empty
     arrays when K/V are floats.
@@ -482,24 +494,21 @@ def decode(q, k, k_strides, k_block, k_panel, k_storage, prefetch, v, v_strides,
                                  vs_strides[2], n_c)
             skip = max(0, j_first - c0)  # keys before the band: first chunk only
             if tiled:
-                v_ahead = AHEAD * CHUNK // KEY_BLOCK * v_block
                 if v_by_rows:  # the chunk in one product
                     v_off = v_head + (c0 + skip) * v_strides[2]
                     if prefetch & HINT_V:
                         tile_product_ahead(pv, 0, ld, s, skip, chunk, 1, vf, v_off,
-                                           v_strides[2], 1, rows, dv, n_c - skip, v_ahead)
+                                           v_strides[2], 1, rows, dv, n_c - skip,
+                                           AHEAD * CHUNK * v_strides[2])
                     else:
                         tile_product(pv, 0, ld, s, skip, chunk, 1, vf, v_off, v_strides[2], 1,
                                      rows, dv, n_c - skip, False, False)
-                else:  # KVCache's blocks of panels: a product per block, summed into pv
-                    # after the first (the same sums in the same order), each block hinted
-                    # whole where V is (its lines in one go: the products' hints set pv)
+                else:  # KVCache's blocks of panels (never hinted: ``hinted``): a product per
+                    # block, summed into pv after the first (the same sums in the same order)
                     j0 = c0 + skip
                     while j0 < c0 + n_c:
                         j1 = min(c0 + n_c, (j0 // KEY_BLOCK + 1) * KEY_BLOCK)
                         block_at = v_head + j0 // KEY_BLOCK * v_block
-                        if prefetch & HINT_V:
-                            hint_rows(vf, block_at + v_ahead, 0, 0, 1, KEY_BLOCK * dv)
                         tile_product(pv, 0, ld, s, j0 - c0, chunk, 1, vf,
                                      block_at + j0 % KEY_BLOCK * v_strides[2], v_strides[2],
                                      v_panel, rows, dv, j1 - j0, j0 > c0 + skip, False)
@@ -674,7 +683,8 @@ def run_decode(q, k, v, scale, band, mods, user_mask, drop, out=None, kv_scales=
     if lse is None:
         lse = np.empty((n_b, n_hq, n_q), dtype=dtype)
     k_storage = k.dtype != dtype
-    prefetch = hinted(k_storage, k_steps[3] != 1, k_block != KEY_BLOCK * k_steps[2])
+    prefetch = hinted(k_storage, k_steps[3] != 1, k_block != KEY_BLOCK * k_steps[2],
+                      k_panel != 1)
     decode(q, k_store, k_steps, k_block, k_panel, k_storage, prefetch, v_store, v_steps,
            v_block, v_panel, k_scale, ks_strides, v_scale, vs_strides, n_hkv, n_k, d, dv,
            n_splits, chunk, scale * LOG2_E, left, right, kv_lens, softcap2, slopes2,
