@@ -13,7 +13,7 @@ pytest.
     python bench/cpu_profile.py forward [--n 2048] [--d 64] [--h 8] [--causal]
                                         [--threads 1] [--seconds 8]
     python bench/cpu_profile.py decode [--nk 32768] [--hkv 2] [--layers 1] [--threads 1]
-                                       [--seconds 8]
+                                       [--cache float32] [--seconds 8]
 
 A function's share is of the samples in the timed part; "outside the kernels" is everything
 else in that time (Python, numpy, the thread pool's waits, the OS).
@@ -41,6 +41,8 @@ def parse(argv=None):
     p.add_argument("--causal", action="store_true", help="forward: causal")
     p.add_argument("--nk", type=int, default=32768, help="decode: keys in the cache")
     p.add_argument("--hkv", type=int, default=2, help="decode: key/value heads")
+    p.add_argument("--cache", default="float32", choices=("float32", "float16", "int8"),
+                   help="decode: the KVCache's dtype")
     p.add_argument("--layers", type=int, default=1,
                    help="decode: layers of cache called in turn (19: K/V from DRAM, as the "
                         "decode benchmark's cold steps)")
@@ -109,7 +111,7 @@ def _case(a):
     if a.case == "forward":
         q, k, v = (rng.standard_normal((1, a.h, a.n, a.d), dtype=np.float32) for _ in range(3))
         return lambda: cpuflash.attention(q, k, v, causal=a.causal)
-    cache = cpuflash.KVCache(a.layers, 1, a.hkv, a.nk, a.d)
+    cache = cpuflash.KVCache(a.layers, 1, a.hkv, a.nk, a.d, dtype=a.cache)
     kv = [rng.standard_normal((1, a.hkv, a.nk, a.d), dtype=np.float32) for _ in range(2)]
     for layer in range(a.layers):
         cache.append(layer, *kv)

@@ -185,32 +185,36 @@ def test_keys_in_blocks_across_block_edges(dtype):
 
 
 @pytest.mark.parametrize("layout", ["panels", "one panel"])
-@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int8])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int8, np.float64])
 def test_block_layouts_against_reference(layout, dtype, monkeypatch):
     """K and V in blocks of panels of the micro-kernel's width (this host's layout), or in one
     panel a block (a K^T block whole, V by rows: AVX-512's layout at D = Dv = 64), whichever
     this host is: decode through the cache with the options that move where the products
     start and stop (a window starting inside a block, a short ``kv_lens``, causal rows,
     softcap, ALiBi) against the reference on the dequantized cache. Dv = 48 takes three
-    panels of 16 float32 on AVX2; D = 20 has a tail of keys past the last whole vector."""
+    panels of 16 float32 on AVX2 (six of 8 float64); D = 20 has a tail of keys past the last
+    whole vector."""
     if layout == "one panel":
         monkeypatch.setattr(cpuflash.kvcache, "key_panel_width", lambda dt: decode.KEY_BLOCK)
         monkeypatch.setattr(cpuflash.kvcache, "value_panel_width", lambda dt, dv: dv)
     n_k, d, dv = 1500, 20, 48
     cache = cpuflash.KVCache(1, 2, 2, n_k + 13, d, v_head_dim=dv, dtype=dtype)
-    k, v = rand((2, 2, n_k, d), seed=21), rand((2, 2, n_k, dv), seed=22)
+    compute = np.float64 if dtype == np.float64 else np.float32
+    k, v = (rand((2, 2, n_k, width), seed=seed).astype(compute)
+            for width, seed in ((d, 21), (dv, 22)))
     for lo, hi in ((0, 700), (700, 701), (701, n_k)):
         cache.append(0, k[:, :, lo:hi], v[:, :, lo:hi])
     assert (cache.v_blocks.shape[4] == 1) == (layout == "one panel"
                                               or dv % cpuflash.config.panel_width(
-                                                  np.dtype(np.float32)) != 0)
-    q = rand((2, 4, 3, d), seed=23)
+                                                  np.dtype(compute)) != 0)
+    q = rand((2, 4, 3, d), seed=23).astype(compute)
     kd, vd = dequantized(cache, 0)
     for opts in ({"causal": True}, {"window": (1000, 0), "kv_lens": np.array([1433, n_k])},
                  {"softcap": 5.0, "alibi_slopes": np.array([0.5, 0.25, 0.125, 0.0625])}):
         out = cache.attention(0, q, **opts)
         want = reference.attention(q.astype(np.float64), kd, vd, **opts)
-        np.testing.assert_allclose(out, want, atol=3e-6, rtol=0, err_msg=str(opts))
+        np.testing.assert_allclose(out, want, atol=1e-13 if compute == np.float64 else 3e-6,
+                                   rtol=0, err_msg=str(opts))
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
