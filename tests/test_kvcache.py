@@ -217,6 +217,26 @@ def test_block_layouts_against_reference(layout, dtype, monkeypatch):
                                    rtol=0, err_msg=str(opts))
 
 
+def test_blocks_of_another_hosts_panels_are_copied_out(monkeypatch):
+    """A cache whose panels this host's micro-kernel does not read (made under another
+    ``CPUFLASH_SIMD`` or on another machine: here 32 wide, neither a whole block nor this
+    host's width) takes the tiled path on K and V copied out of the blocks, not a wrong read:
+    as the reference."""
+    monkeypatch.setattr(cpuflash.kvcache, "key_panel_width", lambda dt: 32)
+    monkeypatch.setattr(cpuflash.kvcache, "value_panel_width", lambda dt, dv: 32)
+    n_k, d = 300, 64
+    cache = cpuflash.KVCache(1, 1, 2, n_k, d)
+    k, v = rand((1, 2, n_k, d), seed=31), rand((1, 2, n_k, d), seed=32)
+    cache.append(0, k, v)
+    assert cache.k_blocks.shape[-1] == 32 and cache.v_blocks.shape[-1] == 32
+    q = rand((1, 4, 2, d), seed=33)
+    for opts in ({}, {"causal": True, "return_lse": True}):
+        got = cache.attention(0, q, **opts)
+        want = reference.attention(q, k, v, **opts)
+        for g, w in zip(*((got, want) if opts else ((got,), (want,)))):
+            np.testing.assert_allclose(g, w, atol=2e-6, rtol=1e-6)
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 def test_blocks_read_as_a_transposed_k(dtype):
     """The decode kernel reads the blocks as a chunk of K^T each: the same bits as the same

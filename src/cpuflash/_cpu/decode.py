@@ -597,16 +597,21 @@ def value_panel_width(dtype, dv):
     return width if dv % width == 0 else dv
 
 
-def block_layout(k_blocks, v_blocks):
+def block_layout(k_blocks, v_blocks, dtype):
     """KVCache's K and V in blocks of KEY_BLOCK keys, as the decode kernel reads them: K (B,
     Hkv, blocks, KEY_BLOCK // w, D, w), each block its keys' K^T in panels of ``w`` keys; V (B,
     Hkv, blocks, Dv // u, KEY_BLOCK, u), each block its values in panels of ``u`` columns (the
     last three axes of each contiguous). Returns ``(k, k_strides, k_block, k_panel, v,
     v_strides, v_block, v_panel)``, ``k`` and ``v`` 4-D views (B, Hkv, blocks, block) in their
-    storage type (see ``decode``)."""
+    storage type (see ``decode``); or None where the panels are not of a width that this
+    host's micro-kernel reads for compute ``dtype`` (a cache made under another
+    ``CPUFLASH_SIMD`` or on another machine): the caller then copies K and V out instead."""
     k, v = _storage_view(k_blocks), _storage_view(v_blocks)
     n_b, n_hkv, n_blocks, n_panels, d, w = k.shape
     u = v.shape[5]
+    if w not in (KEY_BLOCK, key_panel_width(dtype)) or (
+            v.shape[3] > 1 and u != config.panel_width(np.dtype(dtype))):
+        return None
     k_item, v_item = k.itemsize, v.itemsize
     return (k.reshape(n_b, n_hkv, n_blocks, KEY_BLOCK * d),
             (k.strides[0] // k_item, k.strides[1] // k_item, 1, w), k.strides[2] // k_item,
@@ -658,8 +663,10 @@ def run_decode(q, k, v, scale, band, mods, user_mask, drop, out=None, kv_scales=
     if n_q > MAX_NQ or n_k == 0 or q.size == 0 or v.size == 0:
         return None
     if kv_blocks is not None:
-        k_store, k_steps, k_block, k_panel, v_store, v_steps, v_block, v_panel = \
-            block_layout(*kv_blocks)
+        layout = block_layout(*kv_blocks, q.dtype)
+        if layout is None:
+            return None
+        k_store, k_steps, k_block, k_panel, v_store, v_steps, v_block, v_panel = layout
     else:  # K with unit-stride rows, or transposed (unit-stride keys); V by rows
         k_store, v_store = _storage_view(k), _storage_view(v)
         k_steps = element_strides(k_store, unit_axes=(3, 2))
