@@ -7,11 +7,15 @@ line, KVCache's padding of rows under 4 KiB up to stop 36; 128: 512 bytes, its p
 for ``--keys`` a multiple of 1024; KVCache stores K in blocks of 64 keys since stop 37, whose
 rows are ``KEY_BLOCK`` keys). The steps here are ``decode.CHUNK`` (128) keys; since stop 38 the
 kernel's chunks are up to 1024 (``decode.chunk_keys``), which pays the per-step work less
-often. Best of 5 runs of ``--reps`` passes over the keys each. Run with
-``NUMBA_NUM_THREADS=1``. Not collected by pytest.
+often. ``--panels``: K and V as KVCache stores them since stop 39 instead, blocks of
+``KEY_BLOCK`` keys in panels of the micro-kernel's width (``decode.key_panel_width``; P V a
+product per block; no hints, as the kernel gives none there); ``--k-pad`` then does not apply.
+Best of 5 runs of ``--reps`` passes over the keys each. Run with ``NUMBA_NUM_THREADS=1``. Not
+collected by pytest.
 
     NUMBA_NUM_THREADS=1 python bench/cpu_decode_steps.py [--keys 1024] [--rows 4]
                                                          [--hints 0,1] [--k-pad 0,16,128]
+                                                         [--panels]
 """
 import argparse
 import sys
@@ -32,18 +36,30 @@ CHUNK = decode.CHUNK
 
 
 @numba.njit
-def steps(kind, reps, q_s, kt, k_step, v, rows, d, n, s, m_i, l_t, a_i, pv, acc, hints):
-    """``reps`` times over ``n`` keys, a chunk at a time, the steps in ``kind``."""
+def steps(kind, reps, q_s, kt, k_step, v, rows, d, n, s, m_i, l_t, a_i, pv, acc, hints,
+          panel):
+    """``reps`` times over ``n`` keys, a chunk at a time, the steps in ``kind``; ``panel``:
+    K and V in KVCache's blocks of panels that wide (``k_step`` unused), or 0: K^T in rows
+    ``k_step`` apart and V by rows."""
     ahead = decode.AHEAD * CHUNK if hints else 0
+    block = decode.KEY_BLOCK
     for _ in range(reps):
         for c0 in range(0, n, CHUNK):
-            if kind & SCORES:
-                decode.transposed_scores(s, CHUNK, q_s, rows, d, kt, c0, k_step,
-                                         decode.KEY_BLOCK, 1, CHUNK, ahead)
+            if kind & SCORES and panel > 0:
+                decode.transposed_scores(s, CHUNK, q_s, rows, d, kt, c0 * d, panel, block * d,
+                                         d, CHUNK, 0)
+            elif kind & SCORES:
+                decode.transposed_scores(s, CHUNK, q_s, rows, d, kt, c0, k_step, block, 1,
+                                         CHUNK, ahead)
             if kind & SOFTMAX:
                 online_softmax(s, 0, CHUNK, CHUNK, rows, m_i, l_t, a_i, l_t, False, False,
                                False)
-            if kind & PV:
+            if kind & PV and panel > 0:
+                for j0 in range(c0, c0 + CHUNK, block):
+                    tile_product(pv, 0, d, s, j0 - c0, CHUNK, 1, v, j0 * d, panel, block, rows,
+                                 d, block, j0 > c0, False)
+                rescale_add(acc, pv, d, rows, a_i, False)
+            elif kind & PV:
                 if hints:
                     tile_product_ahead(pv, 0, d, s, 0, CHUNK, 1, v, c0 * d, d, 1, rows, d, CHUNK,
                                        ahead * d)
@@ -61,6 +77,7 @@ def main(argv=None):
     p.add_argument("--hints", type=lambda t: int_list(t, at_least=0), default=[0, 1])
     p.add_argument("--k-pad", type=lambda t: int_list(t, at_least=0), default=[0, 16, 128])
     p.add_argument("--reps", type=int, default=2000)
+    p.add_argument("--panels", action="store_true", help="KVCache's blocks of panels")
     a = p.parse_args(argv)
     if a.keys < CHUNK or a.keys % CHUNK or a.rows < 1 or a.reps < 1:
         p.error(f"--keys: a multiple of {CHUNK}; --rows, --reps at least 1")
@@ -73,22 +90,23 @@ def main(argv=None):
     l_t, a_i = np.zeros(rows, np.float32), np.zeros(rows, np.float32)
     pv, acc = np.zeros(rows * d, np.float32), np.zeros(rows * d, np.float32)
     print(f"ns per key, {rows} rows, {n} keys, D={d}, threads {numba.get_num_threads()}")
-    for k_pad in a.k_pad:
+    panel = decode.key_panel_width(np.float32) if a.panels else 0  # V's alike at D = 64
+    for k_pad in [0] if a.panels else a.k_pad:
         kt = rng.standard_normal(d * (n + k_pad)).astype(np.float32)
         for name, kind in (("scores", SCORES), ("softmax", SOFTMAX), ("P V", PV),
                            ("all", SCORES | SOFTMAX | PV)):
-            for hints in a.hints:
+            for hints in [0] if a.panels else a.hints:
                 args = (q_s, kt, n + k_pad, v, rows, d, n, s, m_i, l_t, a_i, pv, acc,
-                        hints)
+                        hints, panel)
                 steps(kind, 1, *args)
                 best = float("inf")
                 for _ in range(5):
                     t = time.perf_counter()
                     steps(kind, a.reps, *args)
                     best = min(best, time.perf_counter() - t)
-                where = f", hints {'on' if hints else 'off'}"
-                print(f"K^T row pad {k_pad:3d}: {name}{where}: "
-                      f"{best / a.reps / n * 1e9:.2f}", flush=True)
+                layout = (f"panels of {panel}" if panel else
+                          f"K^T row pad {k_pad:3d}, hints {'on' if hints else 'off'}")
+                print(f"{layout}: {name}: {best / a.reps / n * 1e9:.2f}", flush=True)
 
 
 if __name__ == "__main__":
