@@ -6,7 +6,7 @@ import numba
 
 from . import _checks, config, masks
 from ._cpu.backward import run_backward
-from ._cpu.decode import MAX_NQ, keys_of_blocks, run_decode, values_of_blocks
+from ._cpu.decode import MAX_NQ, arrays_of_blocks, run_decode
 from ._cpu.forward import run_forward
 
 __all__ = ["attention", "attention_backward", "attention_vjp", "merge", "set_num_threads",
@@ -71,16 +71,16 @@ def attention(q, k, v, *, causal=False, scale=None, mask=None, window=None, kv_l
                       k_scale=k_scale, v_scale=v_scale, device=device)
 
 
-def attention_on_blocks(q, k_blocks, v_blocks, n_k, options):
+def attention_on_blocks(q, kv_blocks, n_k, options):
     """``attention(q, k, v, **options)`` for ``KVCache``, whose K and V are held in blocks of
-    ``decode.KEY_BLOCK`` keys (``decode.block_layout``), their first ``n_k`` keys. The decode
-    path reads the blocks in place; any other gets K and V as arrays. The checks are
-    ``attention``'s, on stand-ins for K and V of their shapes and dtype that hold no memory."""
-    n_b, n_hkv, _, _, d, _ = k_blocks.shape
-    dv = v_blocks.shape[3] * v_blocks.shape[5]
+    ``decode.KEY_BLOCK`` keys (``kv_blocks``: a layer's ``decode.Blocks``), their first ``n_k``
+    keys. The decode path reads the blocks in place; any other gets K and V as arrays. The
+    checks are ``attention``'s, on stand-ins for K and V of their shapes and dtype that hold no
+    memory."""
+    n_b, n_hkv, _, _, d, _ = kv_blocks.k.shape
+    dv = kv_blocks.v.shape[3] * kv_blocks.v.shape[5]
     k, v = (np.ndarray((n_b, n_hkv, n_k, width), x.dtype, buffer=_zero_of(x.dtype),
-                       strides=(0, 0, 0, 0)) for x, width in ((k_blocks, d), (v_blocks, dv)))
-    kv_blocks = (k_blocks, v_blocks)
+                       strides=(0, 0, 0, 0)) for x, width in ((kv_blocks.k, d), (kv_blocks.v, dv)))
     if options.keys() <= {"causal", "scale"}:
         result = _plain_decode(q, k, v, options.get("causal", False), options.get("scale"),
                                kv_blocks)
@@ -102,8 +102,7 @@ def _attention(q, k, v, kv_blocks, *, causal=False, scale=None, mask=None, windo
     return_lse = _checks.flag("return_lse", return_lse)
     if _on_cuda(q, device):
         if kv_blocks is not None:
-            k = keys_of_blocks(kv_blocks[0], k.shape[2])
-            v = values_of_blocks(kv_blocks[1], k.shape[2])
+            k, v = arrays_of_blocks(kv_blocks, k.shape[2])
         return _cuda_dispatch().attention(
             q, k, v, causal=causal, scale=scale, mask=mask, window=window, kv_lens=kv_lens,
             alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p, seed=seed,
@@ -116,7 +115,8 @@ def _attention(q, k, v, kv_blocks, *, causal=False, scale=None, mask=None, windo
     k4, v4 = (call.in_storage(x) for x in (k, v))  # a float16/int8 cache stays as it is
     direct = (out is not None and out.dtype == call.compute and out.flags.c_contiguous
               and not any(np.may_share_memory(out, x)
-                          for x in ((q4, k4, v4) if kv_blocks is None else (q4, *kv_blocks))))
+                          for x in ((q4, k4, v4) if kv_blocks is None
+                                    else (q4, kv_blocks.k, kv_blocks.v))))
     o4, lse = run_forward(q4, k4, v4, call.scale, call.band, call.mods, call.mask, call.drop,
                           config.PORTABLE, out=_checks.as_4d(out) if direct else None,
                           kv_scales=call.kv_scales, kv_blocks=kv_blocks)

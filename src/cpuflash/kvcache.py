@@ -31,8 +31,8 @@ int8 is symmetric, one scale per token and head (``quantize_int8``): ``x ~= x8 *
 import numpy as np
 
 from . import _checks
-from ._cpu.decode import (KEY_BLOCK, key_panel_width, keys_of_blocks, value_panel_width,
-                          values_of_blocks)
+from ._cpu.decode import (KEY_BLOCK, arrays_of_blocks, key_panel_width, layer_blocks,
+                          value_panel_width)
 from ._cpu.pack import on_line
 from .api import attention_on_blocks
 
@@ -106,6 +106,9 @@ class KVCache:
                                 dtype, zeroed=True)
         self.v_blocks = on_line((layers, batch, kv_heads, n_blocks, v_head_dim // u, KEY_BLOCK,
                                  u), dtype, zeroed=True)
+        # each layer's blocks and the decode kernel's view of them, made once
+        self._layers = [layer_blocks(self.k_blocks[layer], self.v_blocks[layer], compute)
+                        for layer in range(layers)]
         self.lengths = np.zeros(layers, dtype=np.int64)  # tokens held by each layer
         if dtype == np.int8:
             self.k_scale = np.zeros((layers, batch, kv_heads, max_len), np.float32)
@@ -149,7 +152,7 @@ class KVCache:
             (k, k_scale), (v, v_scale) = quantize_int8(k, name="k"), quantize_int8(v, name="v")
             self.k_scale[layer, :, :, start:stop] = k_scale
             self.v_scale[layer, :, :, start:stop] = v_scale
-        k_blocks, v_blocks = self.k_blocks[layer], self.v_blocks[layer]
+        k_blocks, v_blocks = self._layers[layer].k, self._layers[layer].v
         # V's rows cut into their panels: (B, Hkv, n, panels, u) -> (B, Hkv, panels, n, u)
         v_panels = v.reshape(n_b, n_h, n_new, -1, u).transpose(0, 1, 3, 2, 4)
         for block in range(start // KEY_BLOCK, -(-stop // KEY_BLOCK)):  # the blocks it spans
@@ -171,8 +174,7 @@ class KVCache:
         (else ``{}``). ``attention`` reads the cache in place."""
         layer = self._layer(layer)
         n = int(self.lengths[layer])
-        k = keys_of_blocks(self.k_blocks[layer], n)
-        v = values_of_blocks(self.v_blocks[layer], n)
+        k, v = arrays_of_blocks(self._layers[layer], n)
         if self.k_scale is None:
             return k, v, {}
         return k, v, {"k_scale": self.k_scale[layer, :, :, :n],
@@ -192,7 +194,7 @@ class KVCache:
                     raise TypeError(f"{name}: the cache's own; not an option here")
             options = {"k_scale": self.k_scale[layer, :, :, :n],
                        "v_scale": self.v_scale[layer, :, :, :n], **options}
-        return attention_on_blocks(q, self.k_blocks[layer], self.v_blocks[layer], n, options)
+        return attention_on_blocks(q, self._layers[layer], n, options)
 
     def reset(self):
         """Forget every token (the storage is kept)."""

@@ -25,6 +25,7 @@ count.
 """
 import functools
 import math
+from typing import NamedTuple
 
 import numpy as np
 from numba import prange
@@ -78,11 +79,12 @@ KEY_BLOCK = 64
 # stop 39 KVCache's blocks in panels narrower than a block (AVX2) are not hinted at all: on the
 # Zen 3, from DRAM, side by side in one process, steps without hints were faster in 5 of 5
 # rounds in float16 (by 3-10 %) and 4 of 4 in int8 (8-27 %), and in float32 as fast (faster in
-# 4 of 6 rounds, by up to 8 %). Since stop 38 neither is hinted for K in the compute dtype by rows, and only K for KVCache's blocks
-# in the compute dtype: with chunks of up to 1024 keys the hardware prefetcher streams them as
-# well or better alone from DRAM (float32, the measurements of MAX_CHUNK: 1024 keys with both
-# hinted 30.5 and 29.7 GB/s, with neither 35.9 and 30.6, K alone 28.1; a row-major K through
-# ``attention``: 23.3 against 25.7, chunks of 128 with hints 19.0), and K's hints help a layer
+# 4 of 6 rounds, by up to 8 %). Since stop 38 neither is hinted for K in the compute dtype by
+# rows, and only K for KVCache's blocks in the compute dtype: with chunks of up to 1024 keys
+# the hardware prefetcher streams them as well or better alone from DRAM (float32, the
+# measurements of MAX_CHUNK: 1024 keys with both hinted 30.5 and 29.7 GB/s, with neither 35.9
+# and 30.6, K alone 28.1; a row-major K through ``attention``: 23.3 against 25.7, chunks of 128
+# with hints 19.0), and K's hints help a layer
 # that sits half in the L3 (one layer of 33.5 MB again and again: 0.49-0.71 ms a step with them,
 # 0.62-0.86 without, 6 of 6 rounds; 4 of 6 in a second run). float16 and int8 keep both (float16
 # 1024 keys without 20.1 GB/s, with 32.0; 128 keys with 29.1), and so does a transposed K of
@@ -621,6 +623,27 @@ def block_layout(k_blocks, v_blocks, dtype):
             KEY_BLOCK if v.shape[3] > 1 else 1)
 
 
+class Blocks(NamedTuple):
+    """One layer of KVCache's storage as the decode path takes it: its K and V blocks and the
+    kernel's view of them, made once (``block_layout`` for the cache's compute dtype; None
+    where this host's micro-kernel does not read their panels): 6.5 us a call, 5 % of a hot
+    step at Nk = 4096, where a step otherwise runs no numpy call on the blocks."""
+    k: np.ndarray
+    v: np.ndarray
+    layout: tuple
+
+
+def layer_blocks(k_blocks, v_blocks, dtype):
+    """``Blocks`` of one layer's K and V blocks for compute ``dtype``."""
+    return Blocks(k_blocks, v_blocks, block_layout(k_blocks, v_blocks, dtype))
+
+
+def arrays_of_blocks(blocks, n_k):
+    """The first ``n_k`` keys and values of a layer's ``Blocks`` as (B, Hkv, n_k, D) and (B,
+    Hkv, n_k, Dv) arrays (``keys_of_blocks``, ``values_of_blocks``)."""
+    return keys_of_blocks(blocks.k, n_k), values_of_blocks(blocks.v, n_k)
+
+
 def keys_of_blocks(k_blocks, n_k):
     """The first ``n_k`` keys of K in KVCache's blocks (B, Hkv, blocks, panels, D, w) as a (B,
     Hkv, n_k, D) array (a copy)."""
@@ -651,8 +674,9 @@ def run_decode(q, k, v, scale, band, mods, user_mask, drop, out=None, kv_scales=
     ``k``, ``v`` in it too, or a float16 cache (float32 compute), or int8 with ``kv_scales =
     (k_scale, v_scale)`` of shape (B, Hkv, Nk), read in place either way. ``band``: the
     ``(left, right, kv_lens)`` of masking.py. ``out``, ``lse``: written in place if given.
-    ``kv_blocks``: ``(k_blocks, v_blocks)``, K and V in KVCache's blocks (``block_layout``),
-    read in their place; ``k`` and ``v`` then give only their shapes and dtypes.
+    ``kv_blocks``: a layer of KVCache's ``Blocks``, read in their place where this host reads
+    their panels (else None is returned); ``k`` and ``v`` then give only their shapes and
+    dtypes.
 
     This Python runs right after the previous step's kernel has streamed K/V through the
     caches, where each numpy call costs several microseconds: it stays short."""
@@ -663,10 +687,10 @@ def run_decode(q, k, v, scale, band, mods, user_mask, drop, out=None, kv_scales=
     if n_q > MAX_NQ or n_k == 0 or q.size == 0 or v.size == 0:
         return None
     if kv_blocks is not None:
-        layout = block_layout(*kv_blocks, q.dtype)
-        if layout is None:
+        if kv_blocks.layout is None:
             return None
-        k_store, k_steps, k_block, k_panel, v_store, v_steps, v_block, v_panel = layout
+        k_store, k_steps, k_block, k_panel, v_store, v_steps, v_block, v_panel = \
+            kv_blocks.layout
     else:  # K with unit-stride rows, or transposed (unit-stride keys); V by rows
         k_store, v_store = _storage_view(k), _storage_view(v)
         k_steps = element_strides(k_store, unit_axes=(3, 2))

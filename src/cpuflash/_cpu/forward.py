@@ -38,7 +38,7 @@ from . import sequences, simd
 from ._jit import helper, kernel, portable_twin
 from .sequences import BLOCK_Q, N_Q, N_QB, Q_BATCH, Q_ROW0, TASK0, TILE0, TILES, find_task
 from .tasks import run_dynamic
-from .decode import keys_of_blocks, run_decode, values_of_blocks
+from .decode import arrays_of_blocks, run_decode
 from ..masks import UserMask
 from .pack import empty, packed_kv, packed_varlen, scratch
 from .masking import (HIDDEN, MIXED, apply_user_mask, mask_tile, tile_key_range,
@@ -191,10 +191,9 @@ def run_forward(q, k, v, scale, band, mods, user_mask, drop, portable, out=None,
 
     ``k``, ``v`` may also be a K/V cache in a storage type (float16, or int8 with
     ``kv_scales = (k_scale, v_scale)``, (B, Hkv, Nk) each): the decode path reads it in place;
-    the tiled path converts it to the compute dtype first. ``kv_blocks``: ``(k_blocks,
-    v_blocks)``, K and V in KVCache's blocks of keys (``decode.block_layout``), ``k`` and ``v``
-    then only their shapes and dtypes: the decode path reads the blocks in place, the tiled
-    path gets K and V from them as arrays.
+    the tiled path converts it to the compute dtype first. ``kv_blocks``: a layer of KVCache's
+    ``decode.Blocks``, ``k`` and ``v`` then only their shapes and dtypes: the decode path
+    reads the blocks in place, the tiled path gets K and V from them as arrays.
 
     Returns ``out`` (B, Hq, Nq, Dv), contiguous, and ``lse`` (B, Hq, Nq), both in that dtype.
     ``out``, if given, must be such an array; it is written in place. ``band``: the
@@ -218,7 +217,7 @@ def run_forward(q, k, v, scale, band, mods, user_mask, drop, portable, out=None,
     if decoded is not None:
         return decoded
     if kv_blocks is not None:
-        k, v = keys_of_blocks(kv_blocks[0], n_k), values_of_blocks(kv_blocks[1], n_k)
+        k, v = arrays_of_blocks(kv_blocks, n_k)
     left, right, kv_lens = band
     if kv_scales is not None:  # int8 times its per-token scale, in the compute dtype
         k, v = (x * x_scale[..., None].astype(q.dtype) for x, x_scale in zip((k, v), kv_scales))
