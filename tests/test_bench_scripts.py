@@ -54,7 +54,8 @@ def run(script, args, monkeypatch):
     ("cpu_fuzz.py", ["--seconds", "0"], "--seconds must be positive"),
     ("cpu_fuzz.py", ["--cases", "-1"], "--cases must be 0 (no limit) or positive"),
     ("cpu_fuzz.py", ["--max-nk", "0"], "--max-nk must be at least 1"),
-    ("cpu_fuzz.py", ["--tol64", "nan"], "--tol32 and --tol64 must be positive"),
+    ("cpu_fuzz.py", ["--tol64", "nan"], "--tol32, --tol64 and --tol16 must be positive"),
+    ("cpu_fuzz.py", ["--kinds", "decode,forward"], "--kinds: expected some of decode, tiled"),
 ])
 def test_bad_arguments(script, args, words, monkeypatch, capsys):
     status = run(script, args, monkeypatch)
@@ -83,7 +84,7 @@ def test_fuzz_passes_and_reports_a_mismatch(monkeypatch, capsys):
     first case is reported as a mismatch and the script exits 1. (Seed 0's first four cases are
     float32, whose kernels the other tests have compiled: the float64 ones would compile
     more.)"""
-    args = ["--cases", "4", "--max-nk", "300", "--seed", "0"]
+    args = ["--cases", "4", "--max-nk", "300", "--seed", "0", "--kinds", "decode"]
     assert run("cpu_fuzz.py", args, monkeypatch) == 0
     assert "4 cases, no mismatch" in capsys.readouterr().out
     assert run("cpu_fuzz.py", args + ["--tol32", "1e-300", "--tol64", "1e-300"],

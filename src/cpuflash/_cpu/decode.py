@@ -448,6 +448,11 @@ def decode(q, k, k_strides, k_block, k_panel, k_storage, prefetch, v, v_strides,
         vs_head = b * vs_strides[0] + hk * vs_strides[1]
         for c0 in range(j_start, j_stop, chunk):
             n_c = min(chunk, j_stop - c0)
+            # The softmax and the masks run over the chunk's keys in whole vectors, not the
+            # whole chunk: a cache shorter than a chunk (or a split's last chunk) leaves most
+            # of it unused (Nk=64, one thread: 20 % of the step went to the unused scores).
+            # The same bits: the columns between are -inf, their exponentials 0.
+            width = min(chunk, -(-n_c // lanes) * lanes)
             k_chunk = k_head + c0 // KEY_BLOCK * k_block
             if keys_unit:
                 if prefetch & HINT_K and not blocked:
@@ -467,7 +472,7 @@ def decode(q, k, k_strides, k_block, k_panel, k_storage, prefetch, v, v_strides,
                 i = r % n_q
                 h = hk * group + r // n_q
                 if modify:
-                    modify_row(s, row, chunk, i + kv_len - n_q, c0, softcap2,
+                    modify_row(s, row, width, i + kv_len - n_q, c0, softcap2,
                                slopes2[b, h], no_t, False)
                 if mask_given:
                     # (its row max unused: l_tile is scratch)
@@ -476,19 +481,19 @@ def decode(q, k, k_strides, k_block, k_panel, k_storage, prefetch, v, v_strides,
                 # Masked after the modifiers, as the tiled kernel; a chunk inside the row's
                 # band (the common case) needs only its tail past n_c.
                 if first_r[r] <= c0 and c0 + n_c - 1 <= last_r[r]:
-                    for jj in range(n_c, chunk):
+                    for jj in range(n_c, width):
                         s[row + jj] = -np.inf
                 else:
-                    for jj in range(chunk):
+                    for jj in range(width):
                         if not (jj < n_c and first_r[r] <= c0 + jj <= last_r[r]):
                             s[row + jj] = -np.inf
-            online_softmax(s, 0, chunk, chunk, rows, m_i, l_tile, alpha_i, l_tile, False,
+            online_softmax(s, 0, chunk, width, rows, m_i, l_tile, alpha_i, l_tile, False,
                            False, False)  # scores in base 2
             for r in range(rows):
                 row = r * chunk
                 l_i[r] = alpha_i[r] * l_i[r] + l_tile[r]
                 if drop_below > 0:
-                    dropout_row(s, row, chunk, seed,
+                    dropout_row(s, row, width, seed,
                                 (b * n_hq + hk * group + r // n_q) * n_q + r % n_q, c0,
                                 drop_below, inv_keep)
                 if quantized:  # P @ (V_int8 * v_scale) as (P * v_scale) @ V_int8
