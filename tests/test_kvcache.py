@@ -418,11 +418,12 @@ def test_a_decode_step_allocates_nothing_that_grows_with_the_cache():
     assert growth[1] <= growth[0] + (256 << 10) and growth[1] < (1 << 20), growth
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int8])
 @pytest.mark.parametrize("causal", [False, True])
 def test_cache_attention_takes_the_plain_decode_path(dtype, causal, monkeypatch):
     """``cache.attention`` with no option but causal and scale goes straight to the decode path
-    (the general path never runs) and gives the general path's bits."""
+    (the general path never runs; an int8 cache's own scales included) and gives the general
+    path's bits."""
     from cpuflash import api
     cache = cpuflash.KVCache(1, 2, 2, 400, D, dtype=dtype)
     cache.append(0, rand((2, 2, 300, D), seed=5), rand((2, 2, 300, D), seed=6))

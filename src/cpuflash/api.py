@@ -81,12 +81,19 @@ def attention_on_blocks(q, kv_blocks, n_k, options):
     dv = kv_blocks.v.shape[3] * kv_blocks.v.shape[5]
     k = _stand_in((n_b, n_hkv, n_k, d), kv_blocks.k.dtype)
     v = _stand_in((n_b, n_hkv, n_k, dv), kv_blocks.v.dtype)
-    if options.keys() <= {"causal", "scale"}:
+    if options.keys() <= _PLAIN_ON_BLOCKS:
+        kv_scales = (None if "k_scale" not in options and "v_scale" not in options
+                     else (options.get("k_scale"), options.get("v_scale")))
         result = _plain_decode(q, k, v, options.get("causal", False), options.get("scale"),
-                               kv_blocks)
+                               kv_blocks, kv_scales)
         if result is not None:
             return result
     return _attention(q, k, v, kv_blocks, **options)
+
+
+# The options ``attention_on_blocks`` takes straight to ``_plain_decode``: an int8 cache's
+# scales come with every step (``KVCache.attention``).
+_PLAIN_ON_BLOCKS = frozenset(("causal", "scale", "k_scale", "v_scale"))
 
 
 @functools.lru_cache(maxsize=16)
@@ -138,19 +145,22 @@ def _attention(q, k, v, kv_blocks, *, causal=False, scale=None, mask=None, windo
     return result
 
 
-def _plain_decode(q, k, v, causal, scale, kv_blocks=None):
-    """A decode step with no option but ``causal`` and ``scale``, straight to the decode path,
-    or None for anything else (the general path then checks it, and raises what it must).
+def _plain_decode(q, k, v, causal, scale, kv_blocks=None, kv_scales=None):
+    """A decode step with no option but ``causal`` and ``scale`` (and an int8 cache's scales),
+    straight to the decode path, or None for anything else (the general path then checks it,
+    and raises what it must).
 
     A decode step runs right after its kernel has streamed K/V through every cache, where the
     general path's Python (about 30 checks, objects and small arrays) took 160-250 us a call, not
     its 25 us with warm caches: 10-15 % of a step from DRAM (Hkv=2, Nk=32768, 1.5-1.6 ms;
     ``bench/cpu_profile.py decode --layers 19``). This path takes only what the general checks
     accept as they stand: 4-D numpy q, k, v with q float32 or float64, k and v of q's dtype (or
-    a float16 cache with float32 q), matching shapes with ``Hq % Hkv == 0``, 1 to ``MAX_NQ``
-    queries, at least one key, ``causal`` a bool, ``scale`` None or a float. It runs the same
-    kernel on the same arguments as the general path (the same bits). ``kv_blocks``: as
-    ``attention_on_blocks``."""
+    a float16 cache with float32 q, or an int8 one with float32 q and ``kv_scales = (k_scale,
+    v_scale)``, float32 numpy arrays of shape (B, Hkv, Nk)), matching shapes with ``Hq % Hkv ==
+    0``, 1 to ``MAX_NQ`` queries, at least one key, ``causal`` a bool, ``scale`` None or a
+    float. It runs the same kernel on the same arguments as the general path (the same bits).
+    ``kv_blocks``: as ``attention_on_blocks``. (int8 steps took the general path until stop 40:
+    95 us a call against float16's 40, Nk=64.)"""
     if not (type(q) is np.ndarray and type(k) is np.ndarray and type(v) is np.ndarray
             and q.ndim == 4 and k.ndim == 4 and v.ndim == 4 and not config.PORTABLE
             and (causal is True or causal is False)):
@@ -165,16 +175,22 @@ def _plain_decode(q, k, v, causal, scale, kv_blocks=None):
     if not (0 < n_q <= MAX_NQ and n_k > 0 and d > 0 and dv > 0 and n_b > 0 and n_hkv > 0
             and n_hq % n_hkv == 0 and k.shape == (n_b, n_hkv, n_k, d) and v.shape[0] == n_b
             and (q_type is np.float32 or q_type is np.float64) and k.dtype == v.dtype
-            and (k_type is q_type or (k_type is np.float16 and q_type is np.float32))):
+            and (k_type is q_type or (k_type is np.float16 and q_type is np.float32)
+                 or (k_type is np.int8 and q_type is np.float32))):
         return None
-    if not (scale is None or type(scale) is float):
+    if (k_type is np.int8) != (kv_scales is not None) or not (scale is None
+                                                              or type(scale) is float):
+        return None
+    if kv_scales is not None and not all(
+            type(x) is np.ndarray and x.dtype.type is np.float32 and x.dtype.isnative
+            and x.shape == (n_b, n_hkv, n_k) for x in kv_scales):
         return None
     # Everything else is valid here, so a NaN or zero scale raises what the general path would.
     decoded = run_decode(q, k, v, _checks.scale(scale, d),
                          masks.band(causal, None, None, n_b, n_k),
                          masks.modifiers(None, None, n_b, n_hq),
                          masks.UserMask(None, n_b, n_hq, n_q, n_k, dtype), masks.NO_DROPOUT,
-                         kv_blocks=kv_blocks)
+                         kv_scales=kv_scales, kv_blocks=kv_blocks)
     return None if decoded is None else decoded[0]
 
 
