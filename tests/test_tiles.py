@@ -5,16 +5,19 @@ maxima, ``alpha * acc + P V``, the dQ sum, the Kahan sums of dK and dV, dS from 
 give exactly what ``tile_product`` followed by the pass it replaces gives, so the kernels'
 results are the same bits as before the fusion, on the SIMD and on the portable kernels.
 """
+import math
+
 import numba
 import numpy as np
 import pytest
 
 from cpuflash import config
 from cpuflash._cpu import simd
-from cpuflash._cpu.tiles import (PV_MR, REST_MR, rescale_add, rows_in_blocks, row_max, softmax_grad_row, tile_product,
-                                 tile_product_add, tile_product_ahead, tile_product_kahan,
-                                 tile_product_max, tile_product_rescale,
-                                 tile_product_softmax_grad, tile_product_store)
+from cpuflash._cpu.tiles import (PV_MR, REST_MR, rescale_add, row_max, rows_in_blocks,
+                                 scale_row, softmax_grad_row, tile_product, tile_product_add,
+                                 tile_product_ahead, tile_product_kahan, tile_product_max,
+                                 tile_product_rescale, tile_product_softmax_grad,
+                                 tile_product_store)
 
 MR = config.MICRO_ROWS
 LANES = config.VECTOR_BYTES // 4  # float32
@@ -361,3 +364,29 @@ def test_row_blocking_never_changes_the_bits(ahead, rows):
     assert np.array_equal(whole, single)
     expect = a.reshape(rows, k).astype(np.float64) @ b.reshape(k, cols).astype(np.float64)
     np.testing.assert_allclose(whole.reshape(rows, cols), expect, rtol=0, atol=1e-5 * k)
+
+
+@numba.njit
+def _scaled_rows(x, scale, portable):
+    rows, n = x.shape
+    out = np.empty(rows * n, dtype=x.dtype)
+    for r in range(rows):
+        scale_row(out, r * n, x[r], n, scale, portable)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 64, 131])
+@pytest.mark.parametrize("layout", ["rows", "columns", "reversed"])
+def test_scale_row_rounds_once_from_the_float64_product(dtype, n, layout):
+    """The forward's Q scaled: ``x * scale`` formed in float64 and rounded once, in vectors on
+    unit-stride rows and element by element on strided ones, the same bits either way (and
+    those of numpy's float64 product rounded to the dtype)."""
+    rng = np.random.default_rng(n)
+    base = rng.standard_normal((n, 3)).astype(dtype) * 37
+    x = {"rows": np.ascontiguousarray(base.T), "columns": base.T,
+         "reversed": np.ascontiguousarray(base.T)[:, ::-1]}[layout]
+    scale = 1.0 / math.sqrt(n + 0.3)  # a float64 that float32 cannot hold exactly
+    expect = (x.astype(np.float64) * scale).astype(dtype).reshape(-1)
+    assert np.array_equal(_scaled_rows(x, scale, False), expect)
+    assert np.array_equal(_scaled_rows(x, scale, True), expect)

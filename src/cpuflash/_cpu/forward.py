@@ -45,7 +45,8 @@ from .masking import (HIDDEN, MIXED, apply_user_mask, mask_tile, tile_key_range,
                       tile_needs_mask)
 from .dropout import dropout_row
 from .scores import modify_row
-from .tiles import divide_row, online_softmax, row_max, tile_product_max, tile_product_rescale
+from .tiles import (divide_row, online_softmax, row_max, scale_row, tile_product_max,
+                    tile_product_rescale)
 
 PORTABLE = False  # True in ``forward_portable``: a compile-time constant (_jit.portable_twin)
 
@@ -121,9 +122,8 @@ def forward(q, kt, vt, n_hkv, block_q, scale, left, right, seqs, kv_lens, softca
         tile_max = np.empty(block_q, dtype=out_flat.dtype)  # row maxima of a score tile
         pv = np.empty(block_q * dv_pad if PORTABLE else 0, dtype=out_flat.dtype)  # portable
         row_vmax = scratch(block_q * simd.lanes_of(out_flat), out_flat)
-        for r in range(rows):
-            for dd in range(d):
-                q_s[r * d + dd] = q[q_b, h, row0 + q0 + r, dd] * scale  # as backward.row_terms
+        for r in range(rows):  # in float64, rounded once, as backward.row_terms
+            scale_row(q_s, r * d, q[q_b, h, row0 + q0 + r], d, scale, PORTABLE)
         kb_lo, kb_hi = tile_key_range(q0, q0 + rows, n_q, n_k, block_k, left, right)
         for kb in range(kb_lo, kb_hi):
             state = tile_state[b, h, qb, kb]

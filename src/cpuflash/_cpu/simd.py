@@ -155,6 +155,30 @@ def vload_as(typingctx, like, arr, index):
 
 
 @intrinsic
+def vload_scaled(typingctx, arr, index, scale):
+    """``W`` lanes of ``arr.flat[index:index+W] * scale`` with ``scale`` a float64: each product
+    formed in float64 (exact for float32 lanes) and rounded once to ``arr``'s type, as the scalar
+    ``x * scale`` of a float32 ``x`` and a float64 ``scale`` in Numba rounds. (A float32 product
+    with ``scale`` rounded first would round twice.) The first element of ``arr.flat`` is at
+    ``arr``'s data pointer and the next ones follow it: ``arr`` may be a view of any layout
+    whose elements from there are consecutive (a unit-stride row of a strided array)."""
+    vt = _vec_of(arr)
+    if vt is None or not isinstance(scale, types.Float):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ptr = _elem_ptr(context, builder, sig.args[0], args[0], args[1])
+        lvt = context.get_value_type(vt)
+        x = builder.load(_vec_ptr(builder, ptr, lvt), align=sig.args[0].dtype.bitwidth // 8)
+        wide = ir.VectorType(ir.DoubleType(), vt.width)
+        s = _splat(builder, context.cast(builder, args[2], sig.args[2], types.float64), wide)
+        prod = builder.fmul(x if lvt == wide else builder.fpext(x, wide), s)
+        return prod if lvt == wide else builder.fptrunc(prod, lvt)
+
+    return vt(arr, types.intp, scale), codegen
+
+
+@intrinsic
 def load_as(typingctx, like, arr, index):
     """``arr.flat[index]`` converted to ``like``'s element type (see ``vload_as``)."""
     vt = _vec_of(like)

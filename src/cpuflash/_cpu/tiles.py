@@ -473,6 +473,22 @@ def rescale_add(acc, tile, ld, rows, alpha_i, portable):
 
 
 @helper
+def scale_row(dst, dst_off, src, n, scale, portable):
+    """``dst[dst_off:dst_off+n] = src[:n] * scale`` for a 1-D ``src`` of any stride, each
+    product in float64 and rounded once (``scale`` a float64, as Numba's scalar product): in
+    vectors (``simd.vload_scaled``) where ``src`` is unit-stride, then a scalar tail; a
+    strided ``src`` element by element. The forward pass's Q block, scaled."""
+    start = 0
+    if not portable and src.strides[0] == src.itemsize:
+        lanes = simd.lanes_of(dst)
+        start = n // lanes * lanes
+        for c in range(0, start, lanes):
+            simd.vstore(dst, dst_off + c, simd.vload_scaled(src, c, scale))
+    for c in range(start, n):
+        dst[dst_off + c] = src[c] * scale
+
+
+@helper
 def divide_row(dst, dst_off, src, src_off, n, divisor, portable):
     """``dst[dst_off:dst_off+n] = src[src_off:src_off+n] / divisor``, a true division (one
     rounding) in vectors, then a scalar tail: the forward pass's ``out = acc / l``."""
