@@ -13,11 +13,10 @@ import pytest
 
 from cpuflash import config
 from cpuflash._cpu import simd
-from cpuflash._cpu.tiles import (PV_MR, REST_MR, rescale_add, row_max, rows_in_blocks,
-                                 scale_row, softmax_grad_row, tile_product, tile_product_add,
-                                 tile_product_ahead, tile_product_kahan, tile_product_max,
-                                 tile_product_rescale, tile_product_softmax_grad,
-                                 tile_product_store)
+from cpuflash._cpu.tiles import (REST_MR, rescale_add, row_max, scale_row, softmax_grad_row,
+                                 tile_product, tile_product_add, tile_product_ahead,
+                                 tile_product_kahan, tile_product_max, tile_product_rescale,
+                                 tile_product_softmax_grad, tile_product_store)
 
 MR = config.MICRO_ROWS
 LANES = config.VECTOR_BYTES // 4  # float32
@@ -137,46 +136,6 @@ def test_product_max_equals_product_then_row_max(dtype, rows, cols, k):
     expect = np.array([np.max(row[~np.isnan(row)], initial=-np.inf)
                        for row in c2.reshape(rows, ld)[:, :cols]])
     assert np.array_equal(max1, expect)
-
-
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 6, 7, 8, 10, 12, 13, 14, 64, 127, 128])
-def test_rows_in_blocks_leaves_a_rest_of_whole_four_row_blocks(rows):
-    """The P V product's rows: ``PV_MR``-row blocks, then 4-row blocks, and the one-row
-    micro-kernel only for what no such split covers (an odd count)."""
-    whole = rows_in_blocks(rows, 6, 4)
-    assert whole % 6 == 0 and 0 <= rows - whole
-    if rows % 2 == 0:
-        assert (rows - whole) % 4 == 0
-        assert whole == max(w for w in range(0, rows + 1, 6) if (rows - w) % 4 == 0)
-    else:
-        assert whole == rows // 6 * 6
-    assert rows_in_blocks(rows, 4, 0) == rows // 4 * 4
-
-
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("rows", [1, 4, 5, 6, 7, 10, 13, 14, 64, 127, 128])
-def test_product_rescale_rows_in_any_blocks_give_the_bits_of_plain_rows(dtype, rows):
-    """The forward's P V (``tile_product_rescale``) takes rows ``PV_MR`` at a time (6 on
-    AVX-512), then 4, then 1, where ``tile_product`` takes ``MR`` (4 there): every row's sum
-    runs over k in the same order in each block shape, so the bits are those of the plain
-    product followed by the rescale, for any row count (a forward's 128-row query block,
-    a short last block)."""
-    lanes = config.VECTOR_BYTES // np.dtype(dtype).itemsize
-    cols, k, b_rows = (config.MICRO_VECS + 1) * lanes, 37, 40  # a whole panel, a narrow one
-    rng = np.random.default_rng(rows)
-    a = rng.standard_normal(rows * (b_rows + 1)).astype(dtype)
-    b = rng.standard_normal(b_rows * cols).astype(dtype)
-    alpha = rng.random(rows).astype(dtype)
-    acc = rng.standard_normal(rows * cols).astype(dtype)
-    fused, two_steps = acc.copy(), acc.copy()
-    _rescale_two_steps(two_steps, alpha, a, b, rows, cols, b_rows, k, b_rows + 1, False)
-    _rescale_fused(fused, alpha, a, b, rows, cols, b_rows, k, b_rows + 1, False)
-    assert np.array_equal(fused, two_steps)
-    expect = (alpha[:, None] * acc.reshape(rows, cols).astype(np.float64)
-              + _panels_product(a, b, rows, cols, b_rows, k, b_rows + 1, lanes))
-    np.testing.assert_allclose(fused.reshape(rows, cols), expect,
-                               rtol=0, atol=k * 8 * np.finfo(dtype).eps * 10)
-    assert PV_MR in (MR, 6)
 
 
 @pytest.mark.parametrize("portable", [False, True], ids=["simd", "portable"])

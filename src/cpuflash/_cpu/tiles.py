@@ -17,15 +17,6 @@ from ._jit import helper
 
 MR = config.MICRO_ROWS
 MAX_VECS = config.MICRO_VECS  # vectors per micro-tile row: the panel width of packed B
-# Rows of the forward's P V micro-tile: 6 on AVX-512 (24 accumulators of its 32 registers, 4 B
-# vectors, one broadcast), the rows past the 6-row blocks 4 at a time (a 128-row query block:
-# 20 x 6 + 2 x 4), where MR's 4 rows make 8 loads a k step for 16 fused multiply-adds. Measured
-# on an Intel Xeon (stop 41, one core, a 128 x 128 tile of P times V at Dv = 64, hot in the
-# caches, /tmp-style loop over ``tile_product_rescale``): 170-171 -> 182-184 GFLOP/s (an
-# FMA-only loop: 214). The score product S = Q K^T keeps MR: with its partial sums
-# (``PARTIAL_SUM_EPILOGUES``) a 6-row tile spills, and alone it ran no faster (167 and 168).
-PV_MR = 6 if config.VECTOR_BYTES == 64 else MR
-PV_REST_MR = 4 if PV_MR != MR else 0
 
 
 def _micro_dispatch(mr):
@@ -127,33 +118,16 @@ def _micro_epilogue_dispatch(epilogue, whole_panels, mr=MR):
 E_PER_ROW, E_VECTOR_PER_ROW, E_AS_C = 0, 1, 2
 
 
-@helper
-def rows_in_blocks(rows, mr, rest_mr):
-    """The end of the ``mr``-row blocks of a product over ``rows`` rows: as many as leave a
-    rest that ``rest_mr``-row blocks cover whole (128 = 20 x 6 + 2 x 4), so that no row falls to
-    the one-row micro-kernel, whose few accumulators leave the FMA units idle."""
-    whole = rows // mr * mr
-    if rest_mr > 0:
-        while whole > 0 and (rows - whole) % rest_mr != 0:
-            whole -= mr
-        if (rows - whole) % rest_mr != 0:
-            whole = rows // mr * mr
-    return whole
-
-
-def _product_with_epilogue(epilogue, e_layout, whole_panels=False, mr=MR, rest_mr=0):
+def _product_with_epilogue(epilogue, e_layout, whole_panels=False):
     """``product(c, c_off, ldc, a, a_off, a_rs, a_ks, b, b_off, b_ld, b_panel, rows, cols, k,
     e, e_off, f, f_off, scratch, portable)``: ``C[:rows, :cols] = epilogue(A @ B)``, A and B
     addressed as by ``tile_product``, each micro-tile finished in registers (``simd.EPILOGUES``).
-    Rows in blocks of ``mr`` (``MR`` unless asked), then, with ``rest_mr``, in blocks of that
-    many (``rows_in_blocks``), then any rest one row at a time (the dK and dV products have a
+    Rows in blocks of ``MR``, then any rest one row at a time (the dK and dV products have a
     key tile's rows: 64 with ``MR = 6`` on AVX2). ``whole_panels``: ``cols`` a multiple of the
     panel width (whole key tiles). The portable form forms the product in ``scratch`` (``rows *
     cols``) and finishes it element by element with the same operations.
     """
-    micro = _micro_epilogue_dispatch(epilogue, whole_panels, mr=mr)
-    micro_rest = _micro_epilogue_dispatch(epilogue, whole_panels, mr=rest_mr) if rest_mr \
-        else micro
+    micro = _micro_epilogue_dispatch(epilogue, whole_panels)
     micro_row = _micro_epilogue_dispatch(epilogue, whole_panels, mr=1)
 
     def product(c, c_off, ldc, a, a_off, a_rs, a_ks, b, b_off, b_ld, b_panel, rows, cols, k,
@@ -183,20 +157,16 @@ def _product_with_epilogue(epilogue, e_layout, whole_panels=False, mr=MR, rest_m
                         c[i] = x
             return
         step = MAX_VECS * lanes
-        whole = rows_in_blocks(rows, mr, rest_mr)
-        rest_end = whole + (rows - whole) // rest_mr * rest_mr if rest_mr else whole
+        whole = rows // MR * MR
         for c0 in range(0, cols, step):
             width = min(step, cols - c0)
             panel = b_off + c0 * b_panel
             ldb = b_ld if b_ld > 0 else width
             e_col = e_off + (c0 if e_layout == E_AS_C else 0)
-            for r0 in range(0, whole, mr):
+            for r0 in range(0, whole, MR):
                 micro(c, c_off + r0 * ldc + c0, ldc, a, a_off + r0 * a_rs, a_rs, a_ks, b, panel,
                       ldb, k, width // lanes, e, e_col + r0 * e_step, f, f_off + r0)
-            for r0 in range(whole, rest_end, max(rest_mr, 1)):
-                micro_rest(c, c_off + r0 * ldc + c0, ldc, a, a_off + r0 * a_rs, a_rs, a_ks, b,
-                           panel, ldb, k, width // lanes, e, e_col + r0 * e_step, f, f_off + r0)
-            for r in range(rest_end, rows):
+            for r in range(whole, rows):
                 micro_row(c, c_off + r * ldc + c0, ldc, a, a_off + r * a_rs, a_rs, a_ks, b,
                           panel, ldb, k, width // lanes, e, e_col + r * e_step, f, f_off + r)
 
@@ -288,7 +258,7 @@ _product_rowmax = _product_with_epilogue("rowmax", E_VECTOR_PER_ROW, whole_panel
 tile_product_store = _product_with_epilogue("store", E_PER_ROW, whole_panels=True)
 # acc[r, :] = alpha_i[r] * acc[r, :] + (A @ B)[r, :]: the forward pass's P V of one tile formed
 # on its own (a short sum), then added to the running output with one fused multiply-add.
-tile_product_rescale = _product_with_epilogue("rescale", E_PER_ROW, mr=PV_MR, rest_mr=PV_REST_MR)
+tile_product_rescale = _product_with_epilogue("rescale", E_PER_ROW)
 # C += A @ B: the backward pass's dQ partial (the product a short sum of its own, as above).
 tile_product_add = _product_with_epilogue("add", E_PER_ROW)
 # C += A @ B with Kahan compensation in e: the backward pass's dK and dV over query blocks.
