@@ -206,3 +206,37 @@ def test_plain_decode_call_leaves_bad_input_to_the_checks(edit, options, error, 
         edit(args)
     with pytest.raises(error, match=re.escape(message)):
         cpuflash.attention(args["q"], args["k"], args["v"], **options)
+
+
+@pytest.mark.parametrize("values_hinted", [False, True], ids=["amd-policy", "intel-policy"])
+def test_prefetch_hint_policy(values_hinted, monkeypatch):
+    """``decode.hinted``: both streams for storage types and a transposed K of whole rows; for
+    the compute dtype, K and V on Intel's cores (``HINT_VALUES``), else K alone in KVCache's
+    blocks and neither by rows; nothing for AVX2's panels, nor with the hints off."""
+    monkeypatch.setattr(decode, "HINT_VALUES", values_hinted)
+    both = decode.HINT_K | decode.HINT_V
+    assert decode.hinted(True, True, True) == both
+    assert decode.hinted(False, True, False) == both
+    assert decode.hinted(False, True, True) == (both if values_hinted else decode.HINT_K)
+    assert decode.hinted(False, False, False) == (both if values_hinted else 0)
+    assert decode.hinted(True, True, True, panels=True) == 0
+    monkeypatch.setattr(decode, "PREFETCH", False)
+    assert decode.hinted(True, True, False) == 0
+
+
+@pytest.mark.parametrize("layout", ["cache", "rows"])
+def test_every_hint_policy_gives_the_same_bits(layout, monkeypatch):
+    """Hints change no bit: float32 K/V in a KVCache and as plain arrays, read with each set of
+    hints (the last chunk's hints run past the array's end)."""
+    n_k = 5 * decode.CHUNK + 7
+    k, v = rand((1, 2, n_k, 64), seed=5), rand((1, 2, n_k, 64), seed=6)
+    q = rand((1, 8, 1, 64), seed=7)
+    cache = cpuflash.KVCache(1, 1, 2, n_k, 64)
+    cache.append(0, k, v)
+    outs = []
+    for bits in (0, decode.HINT_K, decode.HINT_V, decode.HINT_K | decode.HINT_V):
+        monkeypatch.setattr(decode, "hinted", lambda *args, bits=bits, **kw: bits)
+        outs.append(cache.attention(0, q) if layout == "cache" else cpuflash.attention(q, k, v))
+    for out in outs[1:]:
+        np.testing.assert_array_equal(out, outs[0])
+    assert_close_to_reference(outs[0], reference.attention(q, k, v), q, k, v)

@@ -307,7 +307,7 @@ def info(args):
 
     import cpuflash
     from cpuflash import config
-    from cpuflash._cpu import _jit
+    from cpuflash._cpu import _jit, decode
     from cpuflash._cuda import codegen  # numpy only: numba.cuda stays unimported
 
     q, k, v = (np.zeros((1, 1, 4, 8), np.float32) for _ in range(3))
@@ -318,6 +318,9 @@ def info(args):
         **config.describe(),
         "block_k_by_head_dim": {d: config.block_k(d, 1 << 30) for d in (64, 128, 256)},
         "portable": config.PORTABLE,
+        "decode_hints": ("K and V" if decode.HINT_VALUES else "by layout")
+        + f" ({config.HOST_VENDOR or 'vendor unknown'}"
+        + ("; none in KVCache's AVX2 panels)" if config.VECTOR_BYTES == 32 else ")"),
         "threads": cpuflash.get_num_threads(),
         "numba": numba.__version__,
         "threading_layer": numba.threading_layer(),

@@ -28,8 +28,24 @@ def _host_features():
         return set()
 
 
+def _host_vendor():
+    """The x86 vendor string of /proc/cpuinfo (``GenuineIntel``, ``AuthenticAMD``), or ''
+    where there is none (another OS or architecture)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
 HOST_FEATURES = _host_features()
 HOST_CPU = _llvm.get_host_cpu_name()
+# Only the decode kernel's prefetch hints depend on it (``_cpu/decode.py``, ``HINT_VALUES``): a
+# choice made per call in Python, not part of any compiled kernel or of ``describe()``.
+HOST_VENDOR = _host_vendor()
 
 # ``CPUFLASH_SIMD=avx2`` or ``128`` picks a narrower host's shapes on a wider one (LLVM lowers
 # the narrower vectors to the wider host's instructions), so that one machine's tests run the

@@ -106,6 +106,18 @@ KEY_BLOCK = 64
 # against 1.23-1.53; 1, 2, 4 and 8 chunks ahead 1.14-1.39, 1.13-1.37, 1.14-1.32, 1.21-1.47 ms).
 AHEAD = 2
 PREFETCH = True  # the hints (a switch for the tests: the same bits without)
+# On Intel's cores V is hinted as well as K wherever anything is (``hinted``): on an Intel Xeon
+# (stop 41, Hkv=2, Nk=32768, float32 from DRAM, the kinds of hints side by side in one process,
+# 4 rounds), KVCache's blocks with K hinted 20.7-21.2 GB/s, K and V 24.2-24.3, V alone
+# 20.9-21.3, neither 19.1-19.4, against a 31.1-31.6 GB/s streaming read; float32 arrays by rows
+# through ``attention`` (where only V's hints apply) neither 19.9-20.2, both 22.8-23.3; one
+# layer again and again (hot: 4096, 16384 or 32768 keys, in L2 or this machine's large L3)
+# K alone, both and neither within 2 % of each other (42-44, 46-48 and 50-51 GB/s). float16
+# and int8 keep both (float16 19.0-20.5 with any, int8 K and V 16.6, K 13.6, neither 9.9).
+# ``cpuflash bench --section decode``, two rounds each: float32 from DRAM 67-69 % of the
+# streaming read before, 75-76 % after (2.99-3.05x torch before, 3.46-3.59x after). The Zen 4's
+# and Zen 3's measurements above chose otherwise, and AMD keeps their choice.
+HINT_VALUES = config.HOST_VENDOR == "GenuineIntel"
 HINT_K, HINT_V = 1, 2  # the kernel's ``prefetch`` bits (``hinted``)
 # A transposed K of whole rows (not KVCache's blocks, which are one stream a chunk already) is
 # also hinted a block of HINT_BLOCK keys ahead in the order the hardware prefetcher
@@ -141,11 +153,12 @@ def chunk_keys(rows, itemsize):
 def hinted(k_storage, keys_unit, blocked, panels=False):
     """What the kernel hints ahead (``AHEAD``), as ``HINT_K | HINT_V`` bits: neither for
     KVCache's blocks in ``panels`` narrower than a block (AVX2's; see ``KEY_BLOCK``); else both
-    for K in a storage type (float16, int8) or transposed in whole rows; K alone for K in the
-    compute dtype in KVCache's blocks; neither for K in the compute dtype by rows."""
+    for K in a storage type (float16, int8) or transposed in whole rows, and on Intel's cores
+    (``HINT_VALUES``) for every layout; elsewhere K alone for K in the compute dtype in
+    KVCache's blocks, neither for K in the compute dtype by rows."""
     if not PREFETCH or panels:
         return 0
-    if k_storage or (keys_unit and not blocked):
+    if k_storage or (keys_unit and not blocked) or HINT_VALUES:
         return HINT_K | HINT_V
     return HINT_K if blocked else 0
 
