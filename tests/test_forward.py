@@ -7,7 +7,6 @@ from cpuflash import config, reference
 from conftest import assert_close_to_reference, rand, rands
 
 BQ, BK = config.BLOCK_Q, config.BLOCK_K
-WK = config.block_k(16, 1 << 40, banded=False)  # the key tile where no band crosses tiles
 
 
 def check(q, k, v, causal=False, scale=None):
@@ -25,42 +24,11 @@ def check(q, k, v, causal=False, scale=None):
 
 
 @pytest.mark.parametrize("n_q,n_k", [(1, 1), (1, BK + 1), (BQ - 1, BK - 1), (BQ, BK),
-                                     (BQ + 1, 2 * BK + 1), (37, 200), (200, 37), (13, 13),
-                                     (BQ - 1, WK - 1), (BQ + 1, WK + 1)])
+                                     (BQ + 1, 2 * BK + 1), (37, 200), (200, 37), (13, 13)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_sequence_lengths(kernels, n_q, n_k, causal):
     check(rand((1, 2, n_q, 16), seed=1), rand((1, 2, n_k, 16), seed=2),
           rand((1, 2, n_k, 16), seed=3), causal)
-
-
-def test_key_tiles_are_wide_only_where_no_band_crosses_them():
-    """``config.block_k``: the wide tile for heads up to 128 without a band, else ``BLOCK_K``;
-    both whole panels, and never more keys than the panels that hold ``n_k``."""
-    width = config.panel_width(np.dtype(np.float32))
-    assert config.UNBANDED_BLOCK_K % width == 0 and config.UNBANDED_BLOCK_K >= BK
-    assert config.block_k(64, 1 << 40, banded=False) == config.UNBANDED_BLOCK_K
-    assert config.block_k(128, 1 << 40, banded=False) == config.UNBANDED_BLOCK_K
-    assert config.block_k(256, 1 << 40, banded=False) == BK
-    assert config.block_k(64, 1 << 40) == BK
-    assert config.block_k(64, 1, banded=False) == width
-
-
-@pytest.mark.parametrize("causal,window,banded", [(False, None, False), (True, None, True),
-                                                  (False, (40, None), True),
-                                                  (False, (None, 3), True),
-                                                  (False, (-1, -1), False)])
-def test_the_band_picks_the_key_tile(kernels, monkeypatch, causal, window, banded):
-    """A causal or window band asks for ``BLOCK_K`` (a wide diagonal tile wastes more); no band,
-    or a window unbounded on both sides, for the wide tile. Either way the reference's answer."""
-    asked, block_k = [], config.block_k
-    monkeypatch.setattr(config, "block_k",
-                        lambda d, n, banded=True: asked.append(banded) or block_k(d, n, banded))
-    q, k, v = rands((1, 2, 40, 16), (1, 2, WK + 45, 16), (1, 2, WK + 45, 16))
-    out = cpuflash.attention(q, k, v, causal=causal, window=window)
-    assert asked == [banded]
-    ref = reference.attention(q, k, v, causal=causal, window=window)
-    err = float(np.abs(out - ref).max())
-    assert err <= 1e-6 * max(1.0, float(np.abs(ref).max())), err
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])

@@ -317,8 +317,6 @@ def info(args):
         "cpu": _cpu_name(),
         **config.describe(),
         "block_k_by_head_dim": {d: config.block_k(d, 1 << 30) for d in (64, 128, 256)},
-        "unbanded_block_k_by_head_dim": {d: config.block_k(d, 1 << 30, banded=False)
-                                         for d in (64, 128, 256)},
         "portable": config.PORTABLE,
         "decode_hints": ("K and V" if decode.HINT_VALUES else "by layout")
         + f" ({config.HOST_VENDOR or 'vendor unknown'}"

@@ -83,19 +83,6 @@ elif VECTOR_BYTES == 32:
 else:
     BLOCK_K, BACKWARD_BLOCK_K = 32, 32
 BLOCK_Q = MICRO_ROWS * (64 // MICRO_ROWS) if MICRO_ROWS != 6 else 48
-# Keys per forward tile where no causal or window band crosses the tiles (no diagonal tile
-# computed in part and thrown away), for heads up to 128 wide. On the AVX-512 Zen 4 (stop 42;
-# ``bench/cpu_block_ab.py --rows 0 --keys 128,256,384,512``, B=1, H=8, 2 threads, side by side
-# with torch, two runs of 6 and 12 rounds), x torch with 128 / 256 keys: N=2048 D=64 1.16-1.21
-# / 1.23-1.24, N=512 D=64 1.13 / 1.20, N=512 D=128 1.10-1.26 / 1.12-1.27, N=2048 D=128 1.14 /
-# 1.15 (512 keys like 256; 384 slower); causal N=2048 1.36 / 1.30 and N=8192 1.30 / 1.29, hence
-# 128 where a band crosses the tiles; the backward's tiles 128 / 256 alike. The Emerald Rapids
-# measurement above (commit e7d5923) came before the score rows were padded by a vector
-# (b242ee4), which ended the aliasing it blamed; Intel hosts keep 128 until measured again.
-if VECTOR_BYTES == 64 and HOST_VENDOR == "AuthenticAMD":
-    UNBANDED_BLOCK_K = 256
-else:
-    UNBANDED_BLOCK_K = BLOCK_K
 
 
 def _fit_keys(block, n_k):
@@ -108,13 +95,10 @@ def _fit_keys(block, n_k):
     return min(block, max(quantum, -(-n_k // quantum) * quantum))
 
 
-def block_k(head_dim, n_k, banded=True):
-    """Keys per tile of the forward pass for ``n_k`` keys: ``BLOCK_K``, or ``UNBANDED_BLOCK_K``
-    where no causal or window band crosses the tiles (``banded=False``) and the head is at most
-    128 wide (256 keys of a 128-wide head: 128 KiB of K and of V a tile). A 512-wide head
+def block_k(head_dim, n_k):
+    """Keys per tile of the forward pass for ``n_k`` keys (see ``BLOCK_K``); a 512-wide head
     (256 KiB per K tile of 128 keys) still fits L2."""
-    wide = not banded and head_dim <= 128
-    return _fit_keys(UNBANDED_BLOCK_K if wide else BLOCK_K, n_k)
+    return _fit_keys(BLOCK_K, n_k)
 
 
 def backward_block_k(head_dim, n_k):
@@ -170,6 +154,5 @@ def describe():
         "micro_tile": f"{MICRO_ROWS}x{MICRO_VECS * LANES_F32} (float32)",
         "block_q": BLOCK_Q,
         "block_k": BLOCK_K,
-        "unbanded_block_k": UNBANDED_BLOCK_K,
         "backward_block_k": BACKWARD_BLOCK_K,
     }

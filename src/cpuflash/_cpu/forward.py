@@ -41,7 +41,7 @@ from .tasks import run_dynamic
 from .decode import arrays_of_blocks, run_decode
 from ..masks import UserMask
 from .pack import empty, packed_kv, packed_varlen, scratch
-from .masking import (HIDDEN, MIXED, UNBOUNDED, apply_user_mask, mask_tile, tile_key_range,
+from .masking import (HIDDEN, MIXED, apply_user_mask, mask_tile, tile_key_range,
                       tile_needs_mask)
 from .dropout import dropout_row
 from .scores import modify_row
@@ -185,11 +185,6 @@ def forward(q, kt, vt, n_hkv, block_q, scale, left, right, seqs, kv_lens, softca
 forward_portable = portable_twin(forward)
 
 
-def banded(left, right):
-    """Whether a causal or window band may cross the key tiles (``config.block_k``)."""
-    return left != UNBOUNDED or right != UNBOUNDED
-
-
 def run_forward(q, k, v, scale, band, mods, user_mask, drop, portable, out=None,
                 kv_scales=None, kv_blocks=None):
     """Pack K/V and run the kernel on 4-D arrays of one compute dtype (float32 or float64).
@@ -227,7 +222,7 @@ def run_forward(q, k, v, scale, band, mods, user_mask, drop, portable, out=None,
     if kv_scales is not None:  # int8 times its per-token scale, in the compute dtype
         k, v = (x * x_scale[..., None].astype(q.dtype) for x, x_scale in zip((k, v), kv_scales))
     k, v = (x if x.dtype == q.dtype else x.astype(q.dtype) for x in (k, v))
-    block_k = config.block_k(d, n_k, banded(left, right))
+    block_k = config.block_k(d, n_k)
     kt, vt = packed_kv(k, v, block_k, config.lanes(q.dtype), config.panel_width(q.dtype))
     block_q = config.block_q(n_q, d, n_b * n_hq, numba.get_num_threads())
     seqs, _ = sequences.dense(int(n_b), int(n_hq), int(n_q), int(block_q), int(k.shape[1]),
@@ -258,7 +253,7 @@ def run_varlen(q, k, v, cu_q, cu_k, scale, band, mods, drop, portable):
     if out.size == 0 or n_seq == 0:
         return out, lse.reshape(n_hq, total_q)
     longest_q, longest_k = int(q_lens.max()), int(k_lens.max())
-    block_k = config.block_k(d, longest_k, banded(band[0], band[1]))
+    block_k = config.block_k(d, longest_k)
     block_q = config.block_q(longest_q, d, n_seq * n_hq, numba.get_num_threads())
     seqs, _, n_tiles = sequences.varlen(cu_q[:-1], q_lens, k_lens, n_hq, n_hkv, block_q,
                                         block_k, config.MICRO_ROWS)
