@@ -139,6 +139,23 @@ def test_append_is_in_place_and_view_gives_the_keys():
     assert list(cache.lengths) == [0, 0]
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int8])
+@pytest.mark.parametrize("dv", [D, 48])
+def test_appending_no_tokens_changes_nothing(dtype, dv):
+    """An append of zero tokens (an empty prompt, a chunk with nothing left) is a no-op, as
+    numpy's empty slices are, on an empty layer and on a filled one; V's panels whole rows or
+    not (48 columns: not on AVX-512's 64-wide panels)."""
+    cache = cpuflash.KVCache(1, 1, 2, 70, D, v_head_dim=dv, dtype=dtype)
+    empty_k, empty_v = np.empty((1, 2, 0, D), np.float32), np.empty((1, 2, 0, dv), np.float32)
+    cache.append(0, empty_k, empty_v)
+    assert cache.lengths[0] == 0 and not cache.k_blocks.any() and not cache.v_blocks.any()
+    cache.append(0, rand((1, 2, 65, D), seed=1), rand((1, 2, 65, dv), seed=2))
+    k_before, v_before = cache.k_blocks.copy(), cache.v_blocks.copy()
+    cache.append(0, empty_k, empty_v)
+    assert cache.lengths[0] == 65
+    assert np.array_equal(cache.k_blocks, k_before) and np.array_equal(cache.v_blocks, v_before)
+
+
 def test_storage_starts_on_a_cache_line():
     """K/V rows are whole AVX-512 vectors that never straddle two cache lines."""
     for dtype in (np.float32, np.float16, np.int8):
