@@ -5,7 +5,16 @@ Each case is of one kind (``--kinds``, taken in turn):
   of up to 1024 keys and their splits), Nk up to ``--max-nk``, head dims 8/16/20/64;
 - ``tiled``: Nq 17-300 (the tiled path, its query and key tiles and their edges), Nk up to
   700, head dims 1-130, a value head dim that differs from D at times, float16 inputs too;
-- ``backward``: ``attention_backward``'s gradients (Nq and Nk up to 200).
+- ``backward``: ``attention_backward``'s gradients (Nq and Nk up to 200);
+- ``views``: a ``decode`` or ``tiled`` case whose q, k, v are laid out at random as views:
+  heads and rows swapped in memory (a ``(B, N, H, D)`` buffer), reversed rows, every other
+  column of a wider buffer, K/V broadcast over their heads (stride 0), the values unchanged;
+- ``cache``: a ``KVCache`` (float32, float64, float16 or int8; one or two layers; a D and a
+  Dv that its panels divide or not) filled by a prefill and a few appends, then
+  ``KVCache.attention`` with 1-16 queries (the decode path on the blocks) or 17-40 (the tiled
+  path), against the reference on the cache's dequantized K/V (``KVCache.view``);
+- ``varlen``: ``attention_varlen`` over 1-4 packed sequences (empty ones too), each against
+  the reference on its own, dropout with each sequence's seed.
 float32 and float64 (float16 too for ``tiled``), and at random causal, a window, ``kv_lens``,
 softcap, ALiBi, a bool or an additive float mask (with ``-inf`` entries), dropout and a
 transposed K.
@@ -17,7 +26,7 @@ error. Stop 38's run found softcap's float64 tanh (1e-8) and dropout's scale (1e
 Not collected by pytest (tests/test_bench_scripts.py runs a few cases).
 
     python bench/cpu_fuzz.py [--seconds 120] [--seed 0] [--max-nk 6000]
-                             [--kinds decode,tiled,backward]
+                             [--kinds decode,tiled,backward,views,cache,varlen]
 """
 import argparse
 import math
@@ -30,7 +39,8 @@ import cpuflash
 from cpuflash import reference
 
 
-KINDS = ("decode", "tiled", "backward")
+KINDS = ("decode", "tiled", "backward", "views", "cache", "varlen")
+CACHE_DTYPES = (np.float32, np.float64, np.float16, np.int8)
 
 
 def random_case(rng, max_nk, kind="decode"):
@@ -78,6 +88,139 @@ def random_case(rng, max_nk, kind="decode"):
     return q, k, v, opts
 
 
+def laid_out(rng, x, broadcast_heads=False):
+    """``x`` (B, H, N, D) with the same values in a random layout: heads and rows swapped in
+    memory, rows reversed, every other column of a buffer twice as wide, and (where
+    ``broadcast_heads``) one head broadcast over all with stride 0 (the values then those of
+    head 0)."""
+    n_b, n_h, n, d = x.shape
+    if broadcast_heads and n_h > 1 and rng.random() < 0.3:
+        x = x[:, :1]
+    h = x.shape[1]
+    if rng.random() < 0.5:  # (B, N, H, D) in memory, seen as (B, H, N, D)
+        wide = 2 if rng.random() < 0.3 else 1
+        view = np.empty((n_b, n, h, wide * d), x.dtype).transpose(0, 2, 1, 3)[..., ::wide]
+    elif rng.random() < 0.5:  # every other column
+        view = np.empty((n_b, h, n, 2 * d), x.dtype)[..., ::2]
+    else:
+        view = np.empty((n_b, h, n, d), x.dtype)
+    if rng.random() < 0.3:  # rows reversed in memory
+        view = view[:, :, ::-1]
+    view[...] = x
+    return np.broadcast_to(view, (n_b, n_h, n, d))
+
+
+def views_case(rng, max_nk):
+    """A decode or tiled case with its q, k, v laid out at random (``laid_out``)."""
+    q, k, v, opts = random_case(rng, max_nk, "decode" if rng.random() < 0.5 else "tiled")
+    return laid_out(rng, q), laid_out(rng, k, True), laid_out(rng, v, True), opts
+
+
+def cache_case(rng, max_nk):
+    """``(cache, layer, q, opts, k, v)``: a filled KVCache, queries, options, and the cache's
+    K/V dequantized (float64) for the reference."""
+    from cpuflash._cpu import decode
+
+    dtype = CACHE_DTYPES[int(rng.integers(len(CACHE_DTYPES)))]
+    b, hkv = int(rng.integers(1, 3)), int(rng.choice([1, 2, 4]))
+    hq = hkv * int(rng.choice([1, 2, 4]))
+    d = int(rng.choice([8, 20, 64, 96]))
+    dv = d if rng.random() < 0.7 else int(rng.choice([16, 48, 64]))
+    nk = int(rng.integers(1, max_nk + 1))
+    layers, layer = (2, 1) if rng.random() < 0.3 else (1, 0)
+    cache = cpuflash.KVCache(layers, b, hkv, nk + int(rng.integers(0, 100)), d, v_head_dim=dv,
+                             dtype=dtype)
+    compute = np.float64 if dtype == np.float64 else np.float32
+    cuts = np.sort(rng.integers(0, nk + 1, size=int(rng.integers(0, 4))))
+    for lo, hi in zip(np.r_[0, cuts], np.r_[cuts, nk]):  # a prefill, then a few appends
+        n = int(hi - lo)
+        cache.append(layer, rng.standard_normal((b, hkv, n, d)).astype(compute),
+                     rng.standard_normal((b, hkv, n, dv)).astype(compute))
+    nq = int(rng.integers(1, 17)) if rng.random() < 0.8 else int(rng.integers(17, 41))
+    q = rng.standard_normal((b, hq, nq, d)).astype(compute)
+    opts = {}
+    if rng.random() < 0.5:
+        opts["causal"] = True
+    if rng.random() < 0.3:
+        opts["window"] = (int(rng.integers(0, nk + 5)), int(rng.integers(0, 50)))
+    if rng.random() < 0.3:
+        opts["kv_lens"] = rng.integers(0, nk + 1, size=b)
+    if rng.random() < 0.2:
+        opts["softcap"] = float(rng.uniform(1, 30))
+    if rng.random() < 0.2:
+        opts["alibi_slopes"] = rng.uniform(0, 0.1, size=hq)
+    if rng.random() < 0.2:
+        opts["mask"] = rng.random((b, hq, nq, nk)) < 0.8
+    if rng.random() < 0.1:
+        opts.update(dropout_p=0.3, seed=int(rng.integers(0, 100)))
+    k, v, scales = cache.view(layer)
+    if scales:
+        k, v = (x * s[..., None].astype(np.float64) for x, s in
+                zip((k, v), (scales["k_scale"], scales["v_scale"])))
+    assert cache.k_blocks.shape[3] * decode.KEY_BLOCK >= nk
+    return cache, layer, q, opts, k.astype(np.float64), v.astype(np.float64)
+
+
+def check_cache(case, tol):
+    """``check`` for a ``cache_case``: ``KVCache.attention`` against the reference on the
+    dequantized cache."""
+    cache, layer, q, opts, k, v = case
+    out, lse = cache.attention(layer, q, return_lse=True, **opts)
+    ref, ref_lse = reference.attention(q, k, v, return_lse=True, **opts)
+    return _verdict(out, lse, ref, ref_lse, tol, False)
+
+
+def varlen_case(rng):
+    """``(q, k, v, cu_q, cu_k, opts)``: 1-4 packed sequences (some empty) of one dtype."""
+    n_seq, hkv = int(rng.integers(1, 5)), int(rng.choice([1, 2]))
+    hq, d = hkv * int(rng.choice([1, 2])), int(rng.choice([1, 16, 33, 64]))
+    dv = d if rng.random() < 0.7 else 24
+    q_lens = rng.integers(0, 100, size=n_seq)
+    k_lens = q_lens.copy() if rng.random() < 0.5 else rng.integers(0, 150, size=n_seq)
+    cu_q, cu_k = (np.r_[0, np.cumsum(n)].astype(np.int64) for n in (q_lens, k_lens))
+    dtype = np.float32 if rng.random() < 0.6 else np.float64
+    q, k, v = (rng.standard_normal(shape).astype(dtype) for shape in
+               ((cu_q[-1], hq, d), (cu_k[-1], hkv, d), (cu_k[-1], hkv, dv)))
+    opts = {}
+    if rng.random() < 0.5:
+        opts["causal"] = True
+    if rng.random() < 0.3:
+        opts["window"] = (int(rng.integers(0, 60)), int(rng.integers(0, 20)))
+    if rng.random() < 0.3:
+        opts["softcap"] = float(rng.uniform(1, 30))
+    if rng.random() < 0.3:  # per head, or per sequence and head
+        opts["alibi_slopes"] = rng.uniform(0, 0.1, size=(hq,) if rng.random() < 0.5
+                                           else (n_seq, hq))
+    if rng.random() < 0.2:
+        opts.update(dropout_p=0.3, seed=int(rng.integers(0, 100)))
+    return q, k, v, cu_q, cu_k, opts
+
+
+def check_varlen(case, tol):
+    """``check`` for a ``varlen_case``: each sequence against the reference on its own (its
+    slopes, its dropout seed: ``varlen._sequence_seed``)."""
+    from cpuflash.varlen import _sequence_seed
+
+    q, k, v, cu_q, cu_k, opts = case
+    out, lse = cpuflash.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True, **opts)
+    ref = np.zeros(out.shape)
+    ref_lse = np.full(lse.shape, -np.inf)
+    for b in range(len(cu_q) - 1):
+        (q0, q1), (k0, k1) = cu_q[b:b + 2], cu_k[b:b + 2]
+        seq_opts = dict(opts)
+        slopes = opts.get("alibi_slopes")
+        if slopes is not None and slopes.ndim == 2:
+            seq_opts["alibi_slopes"] = slopes[b]
+        if "seed" in opts:
+            seq_opts["seed"] = _sequence_seed(opts["seed"], b)
+        o, l_b = reference.attention(*(x[a:z].transpose(1, 0, 2) for x, (a, z) in
+                                       ((q, (q0, q1)), (k, (k0, k1)), (v, (k0, k1)))),
+                                     return_lse=True, **seq_opts)
+        ref[q0:q1] = o.transpose(1, 0, 2)
+        ref_lse[:, q0:q1] = l_b
+    return _verdict(out, lse, ref, ref_lse, tol, False)
+
+
 def _far(x, ref, tol, relative):
     """Max abs difference of ``x`` from ``ref``, and whether it is beyond ``tol`` (times the
     largest reference value if ``relative``) or NaN where the reference is not."""
@@ -91,17 +234,10 @@ def _far(x, ref, tol, relative):
 
 def check(q, k, v, opts, tol, kind="decode"):
     """The case's max error, or None if it fails (``tol``, or which rows see a key)."""
-    relative = q.dtype == np.float16
     out, lse = cpuflash.attention(q, k, v, return_lse=True, **opts)
     ref, ref_lse = reference.attention(q, k, v, return_lse=True, **opts)
-    err, bad = _far(out, ref, tol, relative)
-    seen = np.isfinite(ref_lse)
-    lse_err = float(np.max(np.abs(lse[seen] - ref_lse[seen]))) if seen.any() else 0.0
-    if (bad or not lse_err <= tol * (max(1.0, float(np.max(np.abs(ref_lse[seen]))))
-                                     if seen.any() else 1.0)
-            or (np.isfinite(lse) != seen).any()):
-        return None
-    if kind == "backward":
+    err = _verdict(out, lse, ref, ref_lse, tol, q.dtype == np.float16)
+    if err is not None and kind == "backward":
         dout = np.random.default_rng(out.size).standard_normal(out.shape).astype(q.dtype)
         grads = cpuflash.attention_backward(dout, q, k, v, out, lse, **opts)
         refs = reference.attention_backward(dout, q, k, v, **opts)
@@ -113,11 +249,53 @@ def check(q, k, v, opts, tol, kind="decode"):
     return err
 
 
+def _verdict(out, lse, ref, ref_lse, tol, relative):
+    """The output's max error, or None if it or the lse is beyond ``tol`` (see ``_far``), or
+    the rows that see a key differ from the reference's."""
+    err, bad = _far(out, ref, tol, relative)
+    seen = np.isfinite(ref_lse)
+    lse_err = float(np.max(np.abs(lse[seen] - ref_lse[seen]))) if seen.any() else 0.0
+    if (bad or not lse_err <= tol * (max(1.0, float(np.max(np.abs(ref_lse[seen]))))
+                                     if seen.any() else 1.0)
+            or (np.isfinite(lse) != seen).any()):
+        return None
+    return err
+
+
 def describe(q, k, v, opts):
     shapes = {"q": q.shape, "k": k.shape, "dtype": q.dtype.name,
               "k transposed": k.strides[3] != k.itemsize}
-    return shapes, {n: (x if np.isscalar(x) or isinstance(x, tuple) else f"array{np.shape(x)}")
-                    for n, x in opts.items()}
+    return shapes, options(opts)
+
+
+def options(opts):
+    """The options for printing: arrays by their shape."""
+    return {n: (x if np.isscalar(x) or isinstance(x, tuple) else f"array{np.shape(x)}")
+            for n, x in opts.items()}
+
+
+def run_case(rng, kind, max_nk, tols):
+    """One random case of ``kind``: ``(max error or None if it fails, the dtype it is counted
+    under, what to print of it)``; ``tols`` by the compute dtype's name."""
+    if kind == "cache":
+        case = cache_case(rng, max_nk)
+        cache, _, q, opts, k, _ = case
+        what = ({"cache": cache.dtype.name, "q": q.shape, "k": k.shape,
+                 "v head dim": case[5].shape[3]}, options(opts))
+        return check_cache(case, tols[q.dtype.name]), cache.dtype.name, what
+    if kind == "varlen":
+        case = varlen_case(rng)
+        q, k, v, cu_q, cu_k, opts = case
+        what = ({"q": q.shape, "k": k.shape, "v": v.shape, "cu_seqlens_q": cu_q.tolist(),
+                 "cu_seqlens_k": cu_k.tolist()}, options(opts))
+        return check_varlen(case, tols[q.dtype.name]), q.dtype.name, what
+    if kind == "views":
+        q, k, v, opts = views_case(rng, max_nk)
+        what = describe(q, k, v, opts) + ({"strides": [x.strides for x in (q, k, v)]},)
+    else:
+        q, k, v, opts = random_case(rng, max_nk, kind)
+        what = describe(q, k, v, opts)
+    return check(q, k, v, opts, tols[q.dtype.name], kind), q.dtype.name, what
 
 
 def main(argv=None):
@@ -148,12 +326,11 @@ def main(argv=None):
     start, n, worst = time.perf_counter(), 0, {}
     while time.perf_counter() - start < a.seconds and (a.cases == 0 or n < a.cases):
         kind = kinds[n % len(kinds)]
-        q, k, v, opts = random_case(rng, a.max_nk, kind)
-        err = check(q, k, v, opts, tols[q.dtype.name], kind)
+        err, dtype, what = run_case(rng, kind, a.max_nk, tols)
         if err is None:
-            print("MISMATCH", kind, *describe(q, k, v, opts))
+            print("MISMATCH", kind, *what)
             return 1
-        key = f"{kind} {q.dtype.name}"
+        key = f"{kind} {dtype}"
         worst[key] = max(worst.get(key, 0.0), err)
         n += 1
     print(f"{n} cases, no mismatch; worst error: "
