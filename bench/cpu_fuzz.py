@@ -63,6 +63,23 @@ def random_case(rng, max_nk, kind="decode"):
         dtype = np.float32 if rng.random() < 0.5 else np.float64
     q, k, v = (rng.standard_normal(shape).astype(dtype)
                for shape in ((b, hq, nq, d), (b, hkv, nk, d), (b, hkv, nk, dv)))
+    opts = random_options(rng, b, hq, nq, nk)
+    if "mask" not in opts and kind != "decode" and rng.random() < 0.3:
+        # additive, broadcast over heads at times
+        shape = (b, hq, nq, nk) if rng.random() < 0.5 else (nq, nk)
+        adds = rng.standard_normal(shape)
+        adds[rng.random(shape) < 0.1] = -np.inf
+        opts["mask"] = adds.astype(dtype if dtype != np.float16 else np.float32)
+    if rng.random() < 0.2:
+        opts.update(dropout_p=0.3, seed=int(rng.integers(0, 100)))
+    if rng.random() < 0.3:  # K transposed in memory: keys along the unit stride
+        k = np.ascontiguousarray(k.transpose(0, 1, 3, 2)).transpose(0, 1, 3, 2)
+    return q, k, v, opts
+
+
+def random_options(rng, b, hq, nq, nk):
+    """At random: causal, a window, ``kv_lens``, softcap, ALiBi slopes and a bool mask, for
+    ``b`` batches, ``hq`` query heads, ``nq`` queries and ``nk`` keys."""
     opts = {}
     if rng.random() < 0.5:
         opts["causal"] = True
@@ -76,16 +93,7 @@ def random_case(rng, max_nk, kind="decode"):
         opts["alibi_slopes"] = rng.uniform(0, 0.1, size=hq)
     if rng.random() < 0.3:
         opts["mask"] = rng.random((b, hq, nq, nk)) < 0.8
-    elif kind != "decode" and rng.random() < 0.3:  # additive, broadcast over heads at times
-        shape = (b, hq, nq, nk) if rng.random() < 0.5 else (nq, nk)
-        adds = rng.standard_normal(shape)
-        adds[rng.random(shape) < 0.1] = -np.inf
-        opts["mask"] = adds.astype(dtype if dtype != np.float16 else np.float32)
-    if rng.random() < 0.2:
-        opts.update(dropout_p=0.3, seed=int(rng.integers(0, 100)))
-    if rng.random() < 0.3:  # K transposed in memory: keys along the unit stride
-        k = np.ascontiguousarray(k.transpose(0, 1, 3, 2)).transpose(0, 1, 3, 2)
-    return q, k, v, opts
+    return opts
 
 
 def laid_out(rng, x, broadcast_heads=False):
@@ -138,19 +146,7 @@ def cache_case(rng, max_nk):
                      rng.standard_normal((b, hkv, n, dv)).astype(compute))
     nq = int(rng.integers(1, 17)) if rng.random() < 0.8 else int(rng.integers(17, 41))
     q = rng.standard_normal((b, hq, nq, d)).astype(compute)
-    opts = {}
-    if rng.random() < 0.5:
-        opts["causal"] = True
-    if rng.random() < 0.3:
-        opts["window"] = (int(rng.integers(0, nk + 5)), int(rng.integers(0, 50)))
-    if rng.random() < 0.3:
-        opts["kv_lens"] = rng.integers(0, nk + 1, size=b)
-    if rng.random() < 0.2:
-        opts["softcap"] = float(rng.uniform(1, 30))
-    if rng.random() < 0.2:
-        opts["alibi_slopes"] = rng.uniform(0, 0.1, size=hq)
-    if rng.random() < 0.2:
-        opts["mask"] = rng.random((b, hq, nq, nk)) < 0.8
+    opts = random_options(rng, b, hq, nq, nk)
     if rng.random() < 0.1:
         opts.update(dropout_p=0.3, seed=int(rng.integers(0, 100)))
     k, v, scales = cache.view(layer)
