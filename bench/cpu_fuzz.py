@@ -14,7 +14,10 @@ Each case is of one kind (``--kinds``, taken in turn):
   ``KVCache.attention`` with 1-16 queries (the decode path on the blocks) or 17-40 (the tiled
   path), against the reference on the cache's dequantized K/V (``KVCache.view``);
 - ``varlen``: ``attention_varlen`` over 1-4 packed sequences (empty ones too), each against
-  the reference on its own, dropout with each sequence's seed.
+  the reference on its own, dropout with each sequence's seed;
+- ``formats``: a float32 ``decode`` or ``tiled`` case whose K/V are passed as a cache format
+  (float16 arrays, or int8 with ``k_scale``/``v_scale``), laid out as ``views``, against the
+  reference on the dequantized K/V.
 float32 and float64 (float16 too for ``tiled``), and at random causal, a window, ``kv_lens``,
 softcap, ALiBi, a bool or an additive float mask (with ``-inf`` entries), dropout and a
 transposed K.
@@ -26,7 +29,7 @@ error. Stop 38's run found softcap's float64 tanh (1e-8) and dropout's scale (1e
 Not collected by pytest (tests/test_bench_scripts.py runs a few cases).
 
     python bench/cpu_fuzz.py [--seconds 120] [--seed 0] [--max-nk 6000]
-                             [--kinds decode,tiled,backward,views,cache,varlen]
+                             [--kinds decode,tiled,backward,views,cache,varlen,formats]
 """
 import argparse
 import math
@@ -39,7 +42,7 @@ import cpuflash
 from cpuflash import reference
 
 
-KINDS = ("decode", "tiled", "backward", "views", "cache", "varlen")
+KINDS = ("decode", "tiled", "backward", "views", "cache", "varlen", "formats")
 CACHE_DTYPES = (np.float32, np.float64, np.float16, np.int8)
 
 
@@ -122,6 +125,26 @@ def views_case(rng, max_nk):
     """A decode or tiled case with its q, k, v laid out at random (``laid_out``)."""
     q, k, v, opts = random_case(rng, max_nk, "decode" if rng.random() < 0.5 else "tiled")
     return laid_out(rng, q), laid_out(rng, k, True), laid_out(rng, v, True), opts
+
+
+def formats_case(rng, max_nk):
+    """``(q, k, v, opts, k64, v64)``: a float32 decode or tiled case with K/V as float16, or
+    int8 with their scales in ``opts``, laid out at random; ``k64``, ``v64`` the values the
+    library should see (dequantized, float64)."""
+    while True:  # the tiled kind draws float16 and float64 too: float32 only here
+        q, k, v, opts = random_case(rng, max_nk, "decode" if rng.random() < 0.6 else "tiled")
+        if q.dtype == np.float32:
+            break
+    if rng.random() < 0.5:
+        k, v = k.astype(np.float16), v.astype(np.float16)
+        k64, v64 = k.astype(np.float64), v.astype(np.float64)
+    else:
+        (k, k_scale), (v, v_scale) = cpuflash.quantize_int8(k), cpuflash.quantize_int8(v)
+        k64, v64 = (x * s[..., None].astype(np.float64) for x, s in
+                    ((k, k_scale), (v, v_scale)))
+        opts.update(k_scale=k_scale, v_scale=v_scale)
+    # not broadcast over heads: the values (and an int8 cache's scales) would change
+    return laid_out(rng, q), laid_out(rng, k), laid_out(rng, v), opts, k64, v64
 
 
 def cache_case(rng, max_nk):
@@ -285,6 +308,13 @@ def run_case(rng, kind, max_nk, tols):
         what = ({"q": q.shape, "k": k.shape, "v": v.shape, "cu_seqlens_q": cu_q.tolist(),
                  "cu_seqlens_k": cu_k.tolist()}, options(opts))
         return check_varlen(case, tols[q.dtype.name]), q.dtype.name, what
+    if kind == "formats":
+        q, k, v, opts, k64, v64 = formats_case(rng, max_nk)
+        what = describe(q, k, v, opts) + ({"strides": [x.strides for x in (q, k, v)]},)
+        out, lse = cpuflash.attention(q, k, v, return_lse=True, **opts)
+        ref_opts = {n: x for n, x in opts.items() if n not in ("k_scale", "v_scale")}
+        ref, ref_lse = reference.attention(q, k64, v64, return_lse=True, **ref_opts)
+        return _verdict(out, lse, ref, ref_lse, tols["float32"], False), k.dtype.name, what
     if kind == "views":
         q, k, v, opts = views_case(rng, max_nk)
         what = describe(q, k, v, opts) + ({"strides": [x.strides for x in (q, k, v)]},)
