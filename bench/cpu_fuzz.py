@@ -15,6 +15,11 @@ Each case is of one kind (``--kinds``, taken in turn):
   path), against the reference on the cache's dequantized K/V (``KVCache.view``);
 - ``varlen``: ``attention_varlen`` over 1-4 packed sequences (empty ones too), each against
   the reference on its own, dropout with each sequence's seed;
+- ``torch`` (needs torch): ``cpuflash.torch.scaled_dot_product_attention`` against torch's own
+  SDPA in float64, an oracle that is not ours: bool or float masks of every broadcast shape,
+  torch's top-left ``is_causal`` with ``Nq != Nk``, ``scale``, ``enable_gqa``; the gradients
+  too where every row sees a key (torch's rows that see none are NaN, ours 0: those rows must
+  be 0 here);
 - ``formats``: a float32 ``decode`` or ``tiled`` case whose K/V are passed as a cache format
   (float16 arrays, or int8 with ``k_scale``/``v_scale``), laid out as ``views``, against the
   reference on the dequantized K/V.
@@ -29,7 +34,7 @@ error. Stop 38's run found softcap's float64 tanh (1e-8) and dropout's scale (1e
 Not collected by pytest (tests/test_bench_scripts.py runs a few cases).
 
     python bench/cpu_fuzz.py [--seconds 120] [--seed 0] [--max-nk 6000]
-                             [--kinds decode,tiled,backward,views,cache,varlen,formats]
+                             [--kinds decode,tiled,backward,views,cache,varlen,formats,torch]
 """
 import argparse
 import math
@@ -42,7 +47,7 @@ import cpuflash
 from cpuflash import reference
 
 
-KINDS = ("decode", "tiled", "backward", "views", "cache", "varlen", "formats")
+KINDS = ("decode", "tiled", "backward", "views", "cache", "varlen", "formats", "torch")
 CACHE_DTYPES = (np.float32, np.float64, np.float16, np.int8)
 
 
@@ -145,6 +150,73 @@ def formats_case(rng, max_nk):
         opts.update(k_scale=k_scale, v_scale=v_scale)
     # not broadcast over heads: the values (and an int8 cache's scales) would change
     return laid_out(rng, q), laid_out(rng, k), laid_out(rng, v), opts, k64, v64
+
+
+def torch_case(rng, max_nk):
+    """``(q, k, v, options)`` as numpy arrays for ``check_torch``: torch's SDPA options
+    (``attn_mask``, ``is_causal``, ``scale``, ``enable_gqa``)."""
+    b, hkv = int(rng.integers(1, 3)), int(rng.choice([1, 2]))
+    hq = hkv * int(rng.choice([1, 2, 4]))
+    nq, nk = int(rng.integers(1, 80)), int(rng.integers(1, min(max_nk, 300) + 1))
+    d = int(rng.choice([8, 16, 33, 64]))
+    dv = d if rng.random() < 0.7 else 24
+    dtype = np.float32 if rng.random() < 0.5 else np.float64
+    q, k, v = (rng.standard_normal(shape).astype(dtype)
+               for shape in ((b, hq, nq, d), (b, hkv, nk, d), (b, hkv, nk, dv)))
+    opts = {"enable_gqa": hq != hkv}
+    if rng.random() < 0.3:
+        opts["scale"] = float(rng.uniform(0.05, 1.0))
+    roll = rng.random()
+    if roll < 0.3:
+        opts["is_causal"] = True  # torch allows no mask beside it
+    elif roll < 0.7:
+        shapes = [(b, hq, nq, nk), (nq, nk), (b, 1, nq, nk), (1, hq, 1, nk), (1, nk)]
+        shape = shapes[int(rng.integers(len(shapes)))]
+        if rng.random() < 0.5:
+            opts["attn_mask"] = rng.random(shape) < 0.85
+        else:
+            adds = rng.standard_normal(shape)
+            adds[rng.random(shape) < 0.1] = -np.inf
+            opts["attn_mask"] = adds.astype(dtype)
+    return q, k, v, opts
+
+
+def check_torch(case, tol):
+    """``check`` for a ``torch_case``: the drop-in's output and gradients against torch's SDPA
+    on float64 copies. Rows where torch's output is NaN (they see no key) must be 0 in ours;
+    the gradients are compared only where no row is such."""
+    import torch
+    import torch.nn.functional as F
+    from cpuflash.torch import scaled_dot_product_attention
+
+    q, k, v, opts = case
+    ours = [torch.from_numpy(x).requires_grad_() for x in (q, k, v)]
+    theirs = [torch.from_numpy(x.astype(np.float64)).requires_grad_() for x in (q, k, v)]
+    mask = opts.get("attn_mask")
+    kw = {n: x for n, x in opts.items() if n != "attn_mask"}
+    out = scaled_dot_product_attention(
+        *ours, attn_mask=None if mask is None else torch.from_numpy(mask), **kw)
+    ref = F.scaled_dot_product_attention(
+        *theirs, attn_mask=None if mask is None else torch.from_numpy(
+            mask if mask.dtype == bool else mask.astype(np.float64)), **kw)
+    out_np, ref_np = out.detach().numpy(), ref.detach().numpy()
+    unseen = np.isnan(ref_np).all(axis=-1)  # torch's math path: NaN rows
+    if np.any(out_np[unseen] != 0.0):
+        return None
+    err, bad = _far(out_np[~unseen], ref_np[~unseen], tol, False)
+    if bad:
+        return None
+    if unseen.any():
+        return err
+    dout = np.random.default_rng(out_np.size).standard_normal(out_np.shape)
+    out.backward(torch.from_numpy(dout.astype(out_np.dtype)))
+    ref.backward(torch.from_numpy(dout))
+    for mine, want in zip(ours, theirs):
+        g_err, g_bad = _far(mine.grad.numpy(), want.grad.numpy(), tol, True)
+        if g_bad:
+            return None
+        err = max(err, g_err)
+    return err
 
 
 def cache_case(rng, max_nk):
@@ -308,6 +380,12 @@ def run_case(rng, kind, max_nk, tols):
         what = ({"q": q.shape, "k": k.shape, "v": v.shape, "cu_seqlens_q": cu_q.tolist(),
                  "cu_seqlens_k": cu_k.tolist()}, options(opts))
         return check_varlen(case, tols[q.dtype.name]), q.dtype.name, what
+    if kind == "torch":
+        case = torch_case(rng, max_nk)
+        q, k, v, opts = case
+        what = ({"q": q.shape, "k": k.shape, "v": v.shape, "dtype": q.dtype.name},
+                options(opts))
+        return check_torch(case, tols[q.dtype.name]), q.dtype.name, what
     if kind == "formats":
         q, k, v, opts, k64, v64 = formats_case(rng, max_nk)
         what = describe(q, k, v, opts) + ({"strides": [x.strides for x in (q, k, v)]},)
