@@ -6,15 +6,16 @@ Each case is of one kind (``--kinds``, taken in turn):
 - ``tiled``: Nq 17-300 (the tiled path, its query and key tiles and their edges), Nk up to
   700, head dims 1-130, a value head dim that differs from D at times, float16 inputs too;
 - ``backward``: ``attention_backward``'s gradients (Nq and Nk up to 200);
-- ``views``: a ``decode`` or ``tiled`` case whose q, k, v are laid out at random as views:
-  heads and rows swapped in memory (a ``(B, N, H, D)`` buffer), reversed rows, every other
-  column of a wider buffer, K/V broadcast over their heads (stride 0), the values unchanged;
+- ``views``: a ``decode``, ``tiled`` or ``backward`` case whose q, k, v are laid out at random
+  as views: heads and rows swapped in memory (a ``(B, N, H, D)`` buffer), reversed rows, every
+  other column of a wider buffer, K/V broadcast over their heads (stride 0), the values
+  unchanged;
 - ``cache``: a ``KVCache`` (float32, float64, float16 or int8; one or two layers; a D and a
   Dv that its panels divide or not) filled by a prefill and a few appends, then
   ``KVCache.attention`` with 1-16 queries (the decode path on the blocks) or 17-40 (the tiled
   path), against the reference on the cache's dequantized K/V (``KVCache.view``);
-- ``varlen``: ``attention_varlen`` over 1-4 packed sequences (empty ones too), each against
-  the reference on its own, dropout with each sequence's seed;
+- ``varlen``: ``attention_varlen`` and its backward over 1-4 packed sequences (empty ones
+  too), each against the reference on its own, dropout with each sequence's seed;
 - ``torch`` (needs torch): ``cpuflash.torch.scaled_dot_product_attention`` against torch's own
   SDPA in float64, an oracle that is not ours: bool or float masks of every broadcast shape,
   torch's top-left ``is_causal`` with ``Nq != Nk``, ``scale``, ``enable_gqa``; the gradients
@@ -127,9 +128,11 @@ def laid_out(rng, x, broadcast_heads=False):
 
 
 def views_case(rng, max_nk):
-    """A decode or tiled case with its q, k, v laid out at random (``laid_out``)."""
-    q, k, v, opts = random_case(rng, max_nk, "decode" if rng.random() < 0.5 else "tiled")
-    return laid_out(rng, q), laid_out(rng, k, True), laid_out(rng, v, True), opts
+    """A decode, tiled or backward case with its q, k, v laid out at random (``laid_out``),
+    and that kind."""
+    kind = ("decode", "tiled", "backward")[int(rng.integers(3))]
+    q, k, v, opts = random_case(rng, max_nk, kind)
+    return laid_out(rng, q), laid_out(rng, k, True), laid_out(rng, v, True), opts, kind
 
 
 def formats_case(rng, max_nk):
@@ -294,8 +297,11 @@ def check_varlen(case, tol):
 
     q, k, v, cu_q, cu_k, opts = case
     out, lse = cpuflash.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True, **opts)
+    dout = np.random.default_rng(out.size).standard_normal(out.shape).astype(q.dtype)
+    grads = cpuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, **opts)
     ref = np.zeros(out.shape)
     ref_lse = np.full(lse.shape, -np.inf)
+    ref_grads = [np.zeros(x.shape) for x in (q, k, v)]
     for b in range(len(cu_q) - 1):
         (q0, q1), (k0, k1) = cu_q[b:b + 2], cu_k[b:b + 2]
         seq_opts = dict(opts)
@@ -304,12 +310,23 @@ def check_varlen(case, tol):
             seq_opts["alibi_slopes"] = slopes[b]
         if "seed" in opts:
             seq_opts["seed"] = _sequence_seed(opts["seed"], b)
-        o, l_b = reference.attention(*(x[a:z].transpose(1, 0, 2) for x, (a, z) in
-                                       ((q, (q0, q1)), (k, (k0, k1)), (v, (k0, k1)))),
-                                     return_lse=True, **seq_opts)
+        spans = ((q0, q1), (k0, k1), (k0, k1))
+        heads = [x[a:z].transpose(1, 0, 2) for x, (a, z) in zip((q, k, v), spans)]
+        o, l_b = reference.attention(*heads, return_lse=True, **seq_opts)
         ref[q0:q1] = o.transpose(1, 0, 2)
         ref_lse[:, q0:q1] = l_b
-    return _verdict(out, lse, ref, ref_lse, tol, False)
+        if q1 > q0 and k1 > k0:
+            seq_grads = reference.attention_backward(dout[q0:q1].transpose(1, 0, 2), *heads,
+                                                     **seq_opts)
+            for full, g, (a, z) in zip(ref_grads, seq_grads, spans):
+                full[a:z] = g.transpose(1, 0, 2)
+    err = _verdict(out, lse, ref, ref_lse, tol, False)
+    for g, r in zip(grads, ref_grads):
+        if err is None:
+            break
+        g_err, g_bad = _far(g, r, tol, True)  # gradients grow with the scores' spread
+        err = None if g_bad else max(err, g_err)
+    return err
 
 
 def _far(x, ref, tol, relative):
@@ -394,12 +411,13 @@ def run_case(rng, kind, max_nk, tols):
         ref, ref_lse = reference.attention(q, k64, v64, return_lse=True, **ref_opts)
         return _verdict(out, lse, ref, ref_lse, tols["float32"], False), k.dtype.name, what
     if kind == "views":
-        q, k, v, opts = views_case(rng, max_nk)
-        what = describe(q, k, v, opts) + ({"strides": [x.strides for x in (q, k, v)]},)
+        q, k, v, opts, base = views_case(rng, max_nk)
+        what = describe(q, k, v, opts) + ({"kind": base,
+                                           "strides": [x.strides for x in (q, k, v)]},)
     else:
         q, k, v, opts = random_case(rng, max_nk, kind)
-        what = describe(q, k, v, opts)
-    return check(q, k, v, opts, tols[q.dtype.name], kind), q.dtype.name, what
+        what, base = describe(q, k, v, opts), kind
+    return check(q, k, v, opts, tols[q.dtype.name], base), q.dtype.name, what
 
 
 def main(argv=None):
