@@ -21,6 +21,9 @@ Each case is of one kind (``--kinds``, taken in turn):
   torch's top-left ``is_causal`` with ``Nq != Nk``, ``scale``, ``enable_gqa``; the gradients
   too where every row sees a key (torch's rows that see none are NaN, ours 0: those rows must
   be 0 here);
+- ``merge``: a ``decode`` or ``tiled`` case (masks and softcap only: a band, ALiBi and dropout
+  depend on the key positions of a call) over 1-4 disjoint key ranges (empty ones too), its
+  parts combined by ``cpuflash.merge``, against the reference on all the keys;
 - ``formats``: a float32 ``decode`` or ``tiled`` case whose K/V are passed as a cache format
   (float16 arrays, or int8 with ``k_scale``/``v_scale``), laid out as ``views``, against the
   reference on the dequantized K/V.
@@ -35,7 +38,7 @@ error. Stop 38's run found softcap's float64 tanh (1e-8) and dropout's scale (1e
 Not collected by pytest (tests/test_bench_scripts.py runs a few cases).
 
     python bench/cpu_fuzz.py [--seconds 120] [--seed 0] [--max-nk 6000]
-                             [--kinds decode,tiled,backward,views,cache,varlen,formats,torch]
+                             [--kinds decode,tiled,backward,views,cache,varlen,merge,formats,torch]
 """
 import argparse
 import math
@@ -48,7 +51,8 @@ import cpuflash
 from cpuflash import reference
 
 
-KINDS = ("decode", "tiled", "backward", "views", "cache", "varlen", "formats", "torch")
+KINDS = ("decode", "tiled", "backward", "views", "cache", "varlen", "merge", "formats",
+         "torch")
 CACHE_DTYPES = (np.float32, np.float64, np.float16, np.int8)
 
 
@@ -220,6 +224,28 @@ def check_torch(case, tol):
             return None
         err = max(err, g_err)
     return err
+
+
+def check_merge(rng, max_nk, tol):
+    """A ``merge`` case: ``(max error or None, the dtype, what to print)``."""
+    q, k, v, opts = random_case(rng, max_nk, "decode" if rng.random() < 0.5 else "tiled")
+    opts = {n: x for n, x in opts.items() if n in ("softcap", "mask")}
+    n_k = k.shape[2]
+    cuts = np.sort(rng.integers(0, n_k + 1, size=int(rng.integers(0, 4))))
+    spans = list(zip(np.r_[0, cuts], np.r_[cuts, n_k]))
+    outs, lses = [], []
+    for lo, hi in spans:
+        part = dict(opts)
+        if "mask" in opts:
+            part["mask"] = opts["mask"][..., lo:hi]
+        out, lse = cpuflash.attention(q, k[:, :, lo:hi], v[:, :, lo:hi], return_lse=True, **part)
+        outs.append(out)
+        lses.append(lse)
+    out, lse = cpuflash.merge(outs, lses)
+    ref, ref_lse = reference.attention(q, k, v, return_lse=True, **opts)
+    what = describe(q, k, v, opts) + ({"key ranges": [(int(a), int(b)) for a, b in spans]},)
+    relative = q.dtype == np.float16
+    return _verdict(out, lse, ref, ref_lse, tol[q.dtype.name], relative), q.dtype.name, what
 
 
 def cache_case(rng, max_nk):
@@ -397,6 +423,8 @@ def run_case(rng, kind, max_nk, tols):
         what = ({"q": q.shape, "k": k.shape, "v": v.shape, "cu_seqlens_q": cu_q.tolist(),
                  "cu_seqlens_k": cu_k.tolist()}, options(opts))
         return check_varlen(case, tols[q.dtype.name]), q.dtype.name, what
+    if kind == "merge":
+        return check_merge(rng, max_nk, tols)
     if kind == "torch":
         case = torch_case(rng, max_nk)
         q, k, v, opts = case

@@ -92,12 +92,12 @@ def test_fuzz_passes_and_reports_a_mismatch(monkeypatch, capsys):
     assert "MISMATCH" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("kind", ["views", "cache", "varlen", "formats", "torch"])
+@pytest.mark.parametrize("kind", ["views", "cache", "varlen", "merge", "formats", "torch"])
 def test_fuzz_kinds_pass_and_report_a_mismatch(kind, monkeypatch, capsys):
     """The kinds beyond plain arrays (views of q/k/v, KVCache of every dtype, packed
-    sequences, float16 and int8 K/V arrays; the torch drop-in against torch's own SDPA)
-    compare with their oracle: a few cases pass, and with tolerances no rounding meets, the
-    first is reported as a mismatch of that kind."""
+    sequences, partial results merged, float16 and int8 K/V arrays; the torch drop-in against
+    torch's own SDPA) compare with their oracle: a few cases pass, and with tolerances no
+    rounding meets, the first is reported as a mismatch of that kind."""
     args = ["--cases", "3", "--max-nk", "300", "--seed", "1", "--kinds", kind]
     assert run("cpu_fuzz.py", args, monkeypatch) == 0
     assert "3 cases, no mismatch" in capsys.readouterr().out
