@@ -140,11 +140,11 @@ def test_append_is_in_place_and_view_gives_the_keys():
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int8])
-@pytest.mark.parametrize("dv", [D, 48])
+@pytest.mark.parametrize("dv", [D, 128])
 def test_appending_no_tokens_changes_nothing(dtype, dv):
     """An append of zero tokens (an empty prompt, a chunk with nothing left) is a no-op, as
-    numpy's empty slices are, on an empty layer and on a filled one; V's panels whole rows or
-    not (48 columns: not on AVX-512's 64-wide panels)."""
+    numpy's empty slices are, on an empty layer and on a filled one; V by rows or in panels
+    (on AVX-512, 32 columns are stored by rows and 128 in two 64-wide panels)."""
     cache = cpuflash.KVCache(1, 1, 2, 70, D, v_head_dim=dv, dtype=dtype)
     empty_k, empty_v = np.empty((1, 2, 0, D), np.float32), np.empty((1, 2, 0, dv), np.float32)
     cache.append(0, empty_k, empty_v)

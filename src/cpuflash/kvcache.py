@@ -153,8 +153,10 @@ class KVCache:
             self.k_scale[layer, :, :, start:stop] = k_scale
             self.v_scale[layer, :, :, start:stop] = v_scale
         k_blocks, v_blocks = self._layers[layer].k, self._layers[layer].v
-        # V's rows cut into their panels: (B, Hkv, n, panels, u) -> (B, Hkv, panels, n, u)
-        v_panels = v.reshape(n_b, n_h, n_new, self.v_blocks.shape[4], u).transpose(0, 1, 3, 2, 4)
+        # V's rows cut into their panels: (B, Hkv, n, panels, u) -> (B, Hkv, panels, n, u);
+        # the panels counted, not inferred (-1), so that n = 0 reshapes too
+        n_panels = self.v_blocks.shape[4]
+        v_panels = v.reshape(n_b, n_h, n_new, n_panels, u).transpose(0, 1, 3, 2, 4)
         for block in range(start // KEY_BLOCK, -(-stop // KEY_BLOCK)):  # the blocks it spans
             first = max(start, block * KEY_BLOCK)  # its first new key, at ``at`` in the block
             at, n = first - block * KEY_BLOCK, min(stop, (block + 1) * KEY_BLOCK) - first
