@@ -226,8 +226,9 @@ def check_torch(case, tol):
     return err
 
 
-def check_merge(rng, max_nk, tol):
-    """A ``merge`` case: ``(max error or None, the dtype, what to print)``."""
+def check_merge(rng, max_nk, tols):
+    """A ``merge`` case, drawn and checked: ``(max error or None, the dtype, what to print)``;
+    ``tols`` by dtype name."""
     q, k, v, opts = random_case(rng, max_nk, "decode" if rng.random() < 0.5 else "tiled")
     opts = {n: x for n, x in opts.items() if n in ("softcap", "mask")}
     n_k = k.shape[2]
@@ -245,7 +246,7 @@ def check_merge(rng, max_nk, tol):
     ref, ref_lse = reference.attention(q, k, v, return_lse=True, **opts)
     what = describe(q, k, v, opts) + ({"key ranges": [(int(a), int(b)) for a, b in spans]},)
     relative = q.dtype == np.float16
-    return _verdict(out, lse, ref, ref_lse, tol[q.dtype.name], relative), q.dtype.name, what
+    return _verdict(out, lse, ref, ref_lse, tols[q.dtype.name], relative), q.dtype.name, what
 
 
 def cache_case(rng, max_nk):
