@@ -56,12 +56,39 @@ def test_info_json(capsys):
     cli.main(["info", "--json"])
     facts = json.loads(capsys.readouterr().out)
     assert facts["vector_bytes"] in (16, 32, 64) and facts["block_k"] > 0
+    # the features behind the SIMD shapes (CPUFLASH_SIMD may only narrow them)
+    assert set(facts["cpu_features"]) <= set(cli.KERNEL_FEATURES)
+    if facts["vector_bytes"] == 64:
+        assert "avx512f" in facts["cpu_features"]
+    if os.path.isdir("/sys/devices/system/cpu/cpu0/cache"):
+        assert "L1d" in facts["cpu_caches"] and "L2" in facts["cpu_caches"], facts["cpu_caches"]
     from cpuflash._cpu import forward  # its cache files carry the configuration's tag
     cache_file = forward.forward.dispatcher._cache._cache_file
     assert f".{facts['cache_files_tag']}." in cache_file._index_name
     if facts["cache"] == "on":
         assert os.path.isdir(facts["cache_dir"]), facts["cache_dir"]
 
+
+
+def test_cpu_caches_from_sysfs(tmp_path):
+    """``cpuflash info``'s caches, read from a sysfs tree: levels, types, sizes in KiB or MiB,
+    shared caches with their CPU count; an entry that cannot be read is left out, and a host
+    without the tree gives none."""
+    def entry(name, level, kind, size, shared):
+        d = tmp_path / name
+        d.mkdir()
+        for field, text in (("level", level), ("type", kind), ("size", size),
+                            ("shared_cpu_list", shared)):
+            (d / field).write_text(text + "\n")
+
+    entry("index0", "1", "Data", "48K", "0")
+    entry("index1", "1", "Instruction", "32K", "0")
+    entry("index2", "2", "Unified", "2048K", "0")
+    entry("index3", "3", "Unified", "105M", "0-3,8-11")
+    (tmp_path / "index4").mkdir()  # no fields: left out
+    assert cli._cpu_caches(str(tmp_path)) == {
+        "L1d": "48 KiB", "L1i": "32 KiB", "L2": "2 MiB", "L3": "105 MiB (shared by 8 CPUs)"}
+    assert cli._cpu_caches(str(tmp_path / "none")) == {}
 
 
 @pytest.mark.parametrize("setting", ["0", "custom"])

@@ -302,6 +302,42 @@ def _cpu_name():
     return platform.processor() or platform.machine()
 
 
+# The host features the kernels' shapes and conversions depend on (LLVM's names), as ``cpuflash
+# info`` lists those present.
+KERNEL_FEATURES = ("sse4.2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
+                   "avx512fp16", "avx512bf16", "amx-tile", "neon", "sve")
+
+
+def _read_text(path):
+    with open(path) as f:
+        return f.read().strip()
+
+
+def _cpu_caches(root="/sys/devices/system/cpu/cpu0/cache"):
+    """CPU 0's caches as Linux's sysfs describes them, e.g. ``{"L1d": "32 KiB", "L1i": "32
+    KiB", "L2": "1 MiB", "L3": "32 MiB (shared by 2 CPUs)"}``; ``{}`` where there is no sysfs
+    (another OS) or it cannot be read."""
+    caches = {}
+    try:
+        entries = sorted(e for e in os.listdir(root) if e.startswith("index"))
+    except OSError:
+        return caches
+    for entry in entries:
+        try:
+            level, kind, size, shared = (_read_text(os.path.join(root, entry, name)) for name in
+                                         ("level", "type", "size", "shared_cpu_list"))
+        except OSError:
+            continue
+        name = f"L{level}" + {"Data": "d", "Instruction": "i"}.get(kind, "")
+        kib = int(size[:-1]) * (1024 if size.endswith("M") else 1) if size[:-1].isdigit() else 0
+        text = f"{kib // 1024} MiB" if kib and kib % 1024 == 0 else f"{kib} KiB" if kib else size
+        n_cpus = sum(int(b) - int(a) + 1 for a, b in
+                     (part.split("-") if "-" in part else (part, part)
+                      for part in shared.split(",") if part))
+        caches[name] = text + (f" (shared by {n_cpus} CPUs)" if n_cpus > 1 else "")
+    return caches
+
+
 def info(args):
     import numba
 
@@ -314,8 +350,10 @@ def info(args):
     cpuflash.attention(q, k, v)  # starts the thread pool, so the layer is known
     facts = {
         "cpuflash": cpuflash.__version__,
-        "cpu": _cpu_name(),
-        **config.describe(),
+        "cpu_model": _cpu_name(),
+        "cpu_features": [f for f in KERNEL_FEATURES if f in config.HOST_FEATURES],
+        "cpu_caches": _cpu_caches(),
+        **config.describe(),  # "cpu": LLVM's name for the host, which Numba compiles for
         "block_k_by_head_dim": {d: config.block_k(d, 1 << 30) for d in (64, 128, 256)},
         "portable": config.PORTABLE,
         "decode_hints": ("K and V" if decode.HINT_VALUES else "by layout")
