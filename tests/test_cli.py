@@ -70,10 +70,12 @@ def test_info_json(capsys):
 
 
 
-def test_cpu_caches_from_sysfs(tmp_path):
-    """``cpuflash info``'s caches, read from a sysfs tree: levels, types, sizes in KiB or MiB,
-    shared caches with their CPU count; an entry that cannot be read is left out, and a host
-    without the tree gives none."""
+def test_cpu_caches_from_sysfs(tmp_path, monkeypatch):
+    """The host's caches, read from a sysfs tree (``config.host_caches``): levels, types, sizes
+    in KiB or MiB, shared caches with their CPU count; an entry that cannot be read is left
+    out, and a host without the tree gives none. ``cpuflash info`` shows them in KiB/MiB."""
+    from cpuflash import config
+
     def entry(name, level, kind, size, shared):
         d = tmp_path / name
         d.mkdir()
@@ -86,9 +88,13 @@ def test_cpu_caches_from_sysfs(tmp_path):
     entry("index2", "2", "Unified", "2048K", "0")
     entry("index3", "3", "Unified", "105M", "0-3,8-11")
     (tmp_path / "index4").mkdir()  # no fields: left out
-    assert cli._cpu_caches(str(tmp_path)) == {
-        "L1d": "48 KiB", "L1i": "32 KiB", "L2": "2 MiB", "L3": "105 MiB (shared by 8 CPUs)"}
-    assert cli._cpu_caches(str(tmp_path / "none")) == {}
+    caches = config.host_caches(str(tmp_path))
+    assert caches == {"L1d": (48 << 10, 1), "L1i": (32 << 10, 1), "L2": (2 << 20, 1),
+                      "L3": (105 << 20, 8)}
+    assert config.host_caches(str(tmp_path / "none")) == {}
+    monkeypatch.setattr(config, "HOST_CACHES", caches)
+    assert cli._cpu_caches() == {"L1d": "48 KiB", "L1i": "32 KiB", "L2": "2 MiB",
+                                 "L3": "105 MiB (shared by 8 CPUs)"}
 
 
 @pytest.mark.parametrize("setting", ["0", "custom"])

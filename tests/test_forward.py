@@ -31,6 +31,32 @@ def test_sequence_lengths(kernels, n_q, n_k, causal):
           rand((1, 2, n_k, 16), seed=3), causal)
 
 
+@pytest.mark.parametrize("l2_kib", [None, 128, 256, 1024])
+@pytest.mark.parametrize("d", [16, 64, 128, 256, 512])
+def test_key_tiles_fit_half_the_l2(monkeypatch, l2_kib, d):
+    """``config.block_k``: whole panels, at most ``BLOCK_K``, and a K tile and a V tile
+    (float32, Dv = D) within half of the L2 where it is known, down to one panel."""
+    monkeypatch.setattr(config, "L2_BYTES", l2_kib and l2_kib << 10)
+    width = config.panel_width(np.dtype(np.float32))
+    keys = config.block_k(d, 1 << 40)
+    assert keys % width == 0 and width <= keys <= BK
+    if l2_kib is None:
+        assert keys == BK
+    else:
+        assert keys == width or keys * 2 * d * 4 <= (l2_kib << 10) // 2
+        assert keys == BK or 2 * keys * 2 * d * 4 > (l2_kib << 10) // 2  # the widest that fits
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_small_l2_narrows_the_key_tiles_and_keeps_the_answer(kernels, monkeypatch, causal):
+    """With a 64 KiB L2 the tiles of a 128-wide head narrow to one panel: tile edges at other
+    keys, the reference's answer all the same."""
+    monkeypatch.setattr(config, "L2_BYTES", 64 << 10)
+    assert config.block_k(128, 1 << 40) == config.panel_width(np.dtype(np.float32))
+    check(rand((1, 2, 70, 128), seed=1), rand((1, 2, 3 * BK + 5, 128), seed=2),
+          rand((1, 2, 3 * BK + 5, 128), seed=3), causal)
+
+
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
 @pytest.mark.parametrize("causal", [False, True])
 def test_dtypes(kernels, dtype, causal):

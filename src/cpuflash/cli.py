@@ -308,34 +308,15 @@ KERNEL_FEATURES = ("sse4.2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw"
                    "avx512fp16", "avx512bf16", "amx-tile", "neon", "sve")
 
 
-def _read_text(path):
-    with open(path) as f:
-        return f.read().strip()
+def _cpu_caches():
+    """``config.HOST_CACHES`` for people: ``{"L1d": "32 KiB", ..., "L3": "32 MiB (shared by 2
+    CPUs)"}``."""
+    def size(n):
+        return f"{n >> 20} MiB" if n % (1 << 20) == 0 else f"{n >> 10} KiB"
 
-
-def _cpu_caches(root="/sys/devices/system/cpu/cpu0/cache"):
-    """CPU 0's caches as Linux's sysfs describes them, e.g. ``{"L1d": "32 KiB", "L1i": "32
-    KiB", "L2": "1 MiB", "L3": "32 MiB (shared by 2 CPUs)"}``; ``{}`` where there is no sysfs
-    (another OS) or it cannot be read."""
-    caches = {}
-    try:
-        entries = sorted(e for e in os.listdir(root) if e.startswith("index"))
-    except OSError:
-        return caches
-    for entry in entries:
-        try:
-            level, kind, size, shared = (_read_text(os.path.join(root, entry, name)) for name in
-                                         ("level", "type", "size", "shared_cpu_list"))
-        except OSError:
-            continue
-        name = f"L{level}" + {"Data": "d", "Instruction": "i"}.get(kind, "")
-        kib = int(size[:-1]) * (1024 if size.endswith("M") else 1) if size[:-1].isdigit() else 0
-        text = f"{kib // 1024} MiB" if kib and kib % 1024 == 0 else f"{kib} KiB" if kib else size
-        n_cpus = sum(int(b) - int(a) + 1 for a, b in
-                     (part.split("-") if "-" in part else (part, part)
-                      for part in shared.split(",") if part))
-        caches[name] = text + (f" (shared by {n_cpus} CPUs)" if n_cpus > 1 else "")
-    return caches
+    from cpuflash import config
+    return {name: size(n) + (f" (shared by {cpus} CPUs)" if cpus > 1 else "")
+            for name, (n, cpus) in config.HOST_CACHES.items()}
 
 
 def info(args):

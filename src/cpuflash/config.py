@@ -1,7 +1,9 @@
 """Tile sizes and SIMD shape, derived from the host in this one place.
 
-Everything here is a pure function of the CPU (its SIMD width), so Numba's on-disk cache, which
-is keyed on the CPU name and features, never serves a kernel built for other tile sizes.
+Everything compiled into a kernel is a pure function of the CPU (its SIMD width), so Numba's
+on-disk cache, which is keyed on the CPU name and features, never serves a kernel built for
+other tile sizes. The tiles' sizes themselves are run-time arguments: the forward's key tiles
+also follow the L2's size (``L2_BYTES``, ``block_k``).
 
 * ``VECTOR_BYTES``: bytes of one SIMD register (64 with AVX-512, 32 with AVX/AVX2, else 16,
   which LLVM lowers to SSE or NEON).
@@ -41,7 +43,42 @@ def _host_vendor():
     return ""
 
 
+def _read_text(path):
+    with open(path) as f:
+        return f.read().strip()
+
+
+def host_caches(root="/sys/devices/system/cpu/cpu0/cache"):
+    """CPU 0's caches as Linux's sysfs describes them: ``{"L1d": (bytes, CPUs sharing it),
+    "L1i": ..., "L2": ..., "L3": ...}``; ``{}`` where there is no sysfs (another OS) or it
+    cannot be read, and an entry that cannot be read is left out."""
+    caches = {}
+    try:
+        entries = sorted(e for e in os.listdir(root) if e.startswith("index"))
+    except OSError:
+        return caches
+    for entry in entries:
+        try:
+            level, kind, size, shared = (_read_text(os.path.join(root, entry, name)) for name in
+                                         ("level", "type", "size", "shared_cpu_list"))
+        except OSError:
+            continue
+        unit = {"K": 1 << 10, "M": 1 << 20}.get(size[-1:], 0)
+        if not size[:-1].isdigit() or not unit:
+            continue
+        n_cpus = sum(int(b) - int(a) + 1 for a, b in
+                     (part.split("-") if "-" in part else (part, part)
+                      for part in shared.split(",") if part))
+        name = f"L{level}" + {"Data": "d", "Instruction": "i"}.get(kind, "")
+        caches[name] = (int(size[:-1]) * unit, max(1, n_cpus))
+    return caches
+
+
 HOST_FEATURES = _host_features()
+HOST_CACHES = host_caches()
+# One core's L2, where sysfs tells it (None elsewhere): the forward's key tiles are kept within
+# half of it (``block_k``).
+L2_BYTES = HOST_CACHES["L2"][0] if "L2" in HOST_CACHES else None
 HOST_CPU = _llvm.get_host_cpu_name()
 # Only the decode kernel's prefetch hints depend on it (``_cpu/decode.py``, ``HINT_VALUES``): a
 # choice made per call in Python, not part of any compiled kernel or of ``describe()``.
@@ -96,9 +133,18 @@ def _fit_keys(block, n_k):
 
 
 def block_k(head_dim, n_k):
-    """Keys per tile of the forward pass for ``n_k`` keys (see ``BLOCK_K``); a 512-wide head
-    (256 KiB per K tile of 128 keys) still fits L2."""
-    return _fit_keys(BLOCK_K, n_k)
+    """Keys per tile of the forward pass for ``n_k`` keys: ``BLOCK_K``, halved (in whole
+    panels) while a K tile and a V tile (float32, Dv = D) would fill more than half of the L2
+    (``L2_BYTES``, where it is known), the rest of the L2 left to the task's Q block, scores and
+    output rows. It never binds on the hosts measured for D <= 128 (Zen 3: 512 KiB, 256 keys of
+    D=128 in 256 KiB; Zen 4: 1 MiB; the Xeons: 2 MiB; there a 512-wide head's 128 keys take
+    512 KiB on the Zen 4, 256 KiB on the Xeons), so the measured choices stand; with a smaller
+    L2 (256 KiB on many laptops' cores) or wide heads on AVX2 (256 keys at D=256 on the Zen 3)
+    the tile narrows. That narrowing is not measured: no such host was lent."""
+    block, quantum = BLOCK_K, MICRO_VECS * LANES_F32
+    while L2_BYTES and block > quantum and block * 2 * head_dim * 4 > L2_BYTES // 2:
+        block //= 2
+    return _fit_keys(block, n_k)
 
 
 def backward_block_k(head_dim, n_k):
