@@ -72,8 +72,9 @@ def test_info_json(capsys):
 
 def test_cpu_caches_from_sysfs(tmp_path, monkeypatch):
     """The host's caches, read from a sysfs tree (``config.host_caches``): levels, types, sizes
-    in KiB or MiB, shared caches with their CPU count; an entry that cannot be read is left
-    out, and a host without the tree gives none. ``cpuflash info`` shows them in KiB/MiB."""
+    in KiB or MiB, shared caches with their CPU count; an entry that cannot be read or parsed
+    is left out (this runs at import: it must never raise), and a host without the tree gives
+    none. ``cpuflash info`` shows them in KiB/MiB."""
     from cpuflash import config
 
     def entry(name, level, kind, size, shared):
@@ -88,6 +89,9 @@ def test_cpu_caches_from_sysfs(tmp_path, monkeypatch):
     entry("index2", "2", "Unified", "2048K", "0")
     entry("index3", "3", "Unified", "105M", "0-3,8-11")
     (tmp_path / "index4").mkdir()  # no fields: left out
+    entry("index5", "4", "Unified", "12G", "0")  # a unit it does not know: left out
+    entry("index6", "4", "Unified", "x8K", "0")  # not a number: left out
+    entry("index7", "4", "Unified", "8K", "0-a")  # a CPU list it cannot read: left out
     caches = config.host_caches(str(tmp_path))
     assert caches == {"L1d": (48 << 10, 1), "L1i": (32 << 10, 1), "L2": (2 << 20, 1),
                       "L3": (105 << 20, 8)}

@@ -292,14 +292,8 @@ def _numba_version():
 
 
 def _cpu_name():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    from cpuflash import config
+    return config.cpuinfo_field("model name") or platform.processor() or platform.machine()
 
 
 # The host features the kernels' shapes and conversions depend on (LLVM's names), as ``cpuflash

@@ -30,13 +30,14 @@ def _host_features():
         return set()
 
 
-def _host_vendor():
-    """The x86 vendor string of /proc/cpuinfo (``GenuineIntel``, ``AuthenticAMD``), or ''
-    where there is none (another OS or architecture)."""
+def cpuinfo_field(name):
+    """The first ``name`` field of /proc/cpuinfo (``vendor_id``: ``GenuineIntel``,
+    ``AuthenticAMD``; ``model name``), or '' where there is none (another OS or
+    architecture)."""
     try:
         with open("/proc/cpuinfo") as cpuinfo:
             for line in cpuinfo:
-                if line.startswith("vendor_id"):
+                if line.startswith(name):
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
@@ -58,19 +59,18 @@ def host_caches(root="/sys/devices/system/cpu/cpu0/cache"):
     except OSError:
         return caches
     for entry in entries:
-        try:
+        try:  # read at import: nothing in it may raise
             level, kind, size, shared = (_read_text(os.path.join(root, entry, name)) for name in
                                          ("level", "type", "size", "shared_cpu_list"))
-        except OSError:
+            unit = {"K": 1 << 10, "M": 1 << 20}[size[-1:]]
+            n_cpus = sum(int(b) - int(a) + 1 for a, b in
+                         (part.split("-") if "-" in part else (part, part)
+                          for part in shared.split(",") if part))
+            n_bytes = int(size[:-1]) * unit
+        except (OSError, KeyError, ValueError):
             continue
-        unit = {"K": 1 << 10, "M": 1 << 20}.get(size[-1:], 0)
-        if not size[:-1].isdigit() or not unit:
-            continue
-        n_cpus = sum(int(b) - int(a) + 1 for a, b in
-                     (part.split("-") if "-" in part else (part, part)
-                      for part in shared.split(",") if part))
         name = f"L{level}" + {"Data": "d", "Instruction": "i"}.get(kind, "")
-        caches[name] = (int(size[:-1]) * unit, max(1, n_cpus))
+        caches[name] = (n_bytes, max(1, n_cpus))
     return caches
 
 
@@ -82,7 +82,7 @@ L2_BYTES = HOST_CACHES["L2"][0] if "L2" in HOST_CACHES else None
 HOST_CPU = _llvm.get_host_cpu_name()
 # Only the decode kernel's prefetch hints depend on it (``_cpu/decode.py``, ``HINT_VALUES``): a
 # choice made per call in Python, not part of any compiled kernel or of ``describe()``.
-HOST_VENDOR = _host_vendor()
+HOST_VENDOR = cpuinfo_field("vendor_id")
 
 # ``CPUFLASH_SIMD=avx2`` or ``128`` picks a narrower host's shapes on a wider one (LLVM lowers
 # the narrower vectors to the wider host's instructions), so that one machine's tests run the
