@@ -226,9 +226,8 @@ def check_torch(case, tol):
     return err
 
 
-def check_merge(rng, max_nk, tols):
-    """A ``merge`` case, drawn and checked: ``(max error or None, the dtype, what to print)``;
-    ``tols`` by dtype name."""
+def run_merge(rng, max_nk, tols):
+    """A ``merge`` case, drawn and checked (see ``RUNS``)."""
     q, k, v, opts = random_case(rng, max_nk, "decode" if rng.random() < 0.5 else "tiled")
     opts = {n: x for n, x in opts.items() if n in ("softcap", "mask")}
     n_k = k.shape[2]
@@ -409,44 +408,59 @@ def options(opts):
             for n, x in opts.items()}
 
 
-def run_case(rng, kind, max_nk, tols):
-    """One random case of ``kind``: ``(max error or None if it fails, the dtype it is counted
-    under, what to print of it)``; ``tols`` by the compute dtype's name."""
-    if kind == "cache":
-        case = cache_case(rng, max_nk)
-        cache, _, q, opts, k, _ = case
-        what = ({"cache": cache.dtype.name, "q": q.shape, "k": k.shape,
-                 "v head dim": case[5].shape[3]}, options(opts))
-        return check_cache(case, tols[q.dtype.name]), cache.dtype.name, what
-    if kind == "varlen":
-        case = varlen_case(rng)
-        q, k, v, cu_q, cu_k, opts = case
-        what = ({"q": q.shape, "k": k.shape, "v": v.shape, "cu_seqlens_q": cu_q.tolist(),
-                 "cu_seqlens_k": cu_k.tolist()}, options(opts))
-        return check_varlen(case, tols[q.dtype.name]), q.dtype.name, what
-    if kind == "merge":
-        return check_merge(rng, max_nk, tols)
-    if kind == "torch":
-        case = torch_case(rng, max_nk)
-        q, k, v, opts = case
-        what = ({"q": q.shape, "k": k.shape, "v": v.shape, "dtype": q.dtype.name},
-                options(opts))
-        return check_torch(case, tols[q.dtype.name]), q.dtype.name, what
-    if kind == "formats":
-        q, k, v, opts, k64, v64 = formats_case(rng, max_nk)
-        what = describe(q, k, v, opts) + ({"strides": [x.strides for x in (q, k, v)]},)
-        out, lse = cpuflash.attention(q, k, v, return_lse=True, **opts)
-        ref_opts = {n: x for n, x in opts.items() if n not in ("k_scale", "v_scale")}
-        ref, ref_lse = reference.attention(q, k64, v64, return_lse=True, **ref_opts)
-        return _verdict(out, lse, ref, ref_lse, tols["float32"], False), k.dtype.name, what
-    if kind == "views":
-        q, k, v, opts, base = views_case(rng, max_nk)
-        what = describe(q, k, v, opts) + ({"kind": base,
-                                           "strides": [x.strides for x in (q, k, v)]},)
-    else:
-        q, k, v, opts = random_case(rng, max_nk, kind)
-        what, base = describe(q, k, v, opts), kind
+def run_cache(rng, max_nk, tols):
+    case = cache_case(rng, max_nk)
+    cache, _, q, opts, k, v = case
+    what = ({"cache": cache.dtype.name, "q": q.shape, "k": k.shape, "v head dim": v.shape[3]},
+            options(opts))
+    return check_cache(case, tols[q.dtype.name]), cache.dtype.name, what
+
+
+def run_varlen(rng, max_nk, tols):
+    case = varlen_case(rng)
+    q, k, v, cu_q, cu_k, opts = case
+    what = ({"q": q.shape, "k": k.shape, "v": v.shape, "cu_seqlens_q": cu_q.tolist(),
+             "cu_seqlens_k": cu_k.tolist()}, options(opts))
+    return check_varlen(case, tols[q.dtype.name]), q.dtype.name, what
+
+
+def run_torch(rng, max_nk, tols):
+    case = torch_case(rng, max_nk)
+    q, k, v, opts = case
+    what = ({"q": q.shape, "k": k.shape, "v": v.shape, "dtype": q.dtype.name}, options(opts))
+    return check_torch(case, tols[q.dtype.name]), q.dtype.name, what
+
+
+def run_formats(rng, max_nk, tols):
+    q, k, v, opts, k64, v64 = formats_case(rng, max_nk)
+    what = describe(q, k, v, opts) + ({"strides": [x.strides for x in (q, k, v)]},)
+    out, lse = cpuflash.attention(q, k, v, return_lse=True, **opts)
+    ref_opts = {n: x for n, x in opts.items() if n not in ("k_scale", "v_scale")}
+    ref, ref_lse = reference.attention(q, k64, v64, return_lse=True, **ref_opts)
+    return _verdict(out, lse, ref, ref_lse, tols["float32"], False), k.dtype.name, what
+
+
+def run_views(rng, max_nk, tols):
+    q, k, v, opts, base = views_case(rng, max_nk)
+    what = describe(q, k, v, opts) + ({"kind": base,
+                                       "strides": [x.strides for x in (q, k, v)]},)
     return check(q, k, v, opts, tols[q.dtype.name], base), q.dtype.name, what
+
+
+def run_plain(kind):
+    def run(rng, max_nk, tols):
+        q, k, v, opts = random_case(rng, max_nk, kind)
+        err = check(q, k, v, opts, tols[q.dtype.name], kind)
+        return err, q.dtype.name, describe(q, k, v, opts)
+    return run
+
+
+# Each kind drawn and checked: ``run(rng, max_nk, tols) -> (max error or None if it fails, the
+# dtype it is counted under, what to print of it)``, ``tols`` by the compute dtype's name.
+RUNS = {"decode": run_plain("decode"), "tiled": run_plain("tiled"),
+        "backward": run_plain("backward"), "views": run_views, "cache": run_cache,
+        "varlen": run_varlen, "merge": run_merge, "formats": run_formats, "torch": run_torch}
+assert tuple(RUNS) == KINDS
 
 
 def main(argv=None):
@@ -477,7 +491,7 @@ def main(argv=None):
     start, n, worst = time.perf_counter(), 0, {}
     while time.perf_counter() - start < a.seconds and (a.cases == 0 or n < a.cases):
         kind = kinds[n % len(kinds)]
-        err, dtype, what = run_case(rng, kind, a.max_nk, tols)
+        err, dtype, what = RUNS[kind](rng, a.max_nk, tols)
         if err is None:
             print("MISMATCH", kind, *what)
             return 1
