@@ -13,7 +13,7 @@ import numpy as np
 
 from .. import config
 from . import simd
-from ._jit import helper
+from ._jit import helper, micro_helper
 
 MR = config.MICRO_ROWS
 MAX_VECS = config.MICRO_VECS  # vectors per micro-tile row: the panel width of packed B
@@ -46,7 +46,7 @@ def _micro_dispatch(mr):
                 set1(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k)
 
     micro.__name__ = micro.__qualname__ = f"_micro_{mr}rows"
-    return helper(micro)
+    return micro_helper(micro)
 
 
 def _micro_ahead_dispatch(mr):
@@ -66,7 +66,7 @@ def _micro_ahead_dispatch(mr):
             g1(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k, ahead)
 
     micro.__name__ = micro.__qualname__ = f"_micro_ahead_{mr}rows"
-    return helper(micro)
+    return micro_helper(micro)
 
 
 # The products that sum in partial sums (simd.PARTIAL_TERMS): those over the head dim, the
@@ -95,7 +95,7 @@ def _micro_epilogue_dispatch(epilogue, whole_panels, mr=MR):
             g(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k, e, e_off, f, f_off)
 
         micro_whole.__name__ = micro_whole.__qualname__ = f"_micro_{epilogue}_whole_{mr}rows"
-        return helper(micro_whole)
+        return micro_helper(micro_whole)
     g1, g2, g3, g4 = [simd._make_gemm(mr, nv, accumulate=False, epilogue=epilogue,
                                       partial_terms=terms) for nv in range(1, 5)]
 
@@ -110,7 +110,7 @@ def _micro_epilogue_dispatch(epilogue, whole_panels, mr=MR):
             g1(c, c_off, ldc, a, a_off, lda, a_ks, b, b_off, ldb, k, e, e_off, f, f_off)
 
     micro.__name__ = micro.__qualname__ = f"_micro_{epilogue}_{mr}rows"
-    return helper(micro)
+    return micro_helper(micro)
 
 
 # Where an epilogue's ``e`` holds row r's values (``simd.EPILOGUES``): one value per row, one
