@@ -211,13 +211,13 @@ def test_plain_decode_call_leaves_bad_input_to_the_checks(edit, options, error, 
 @pytest.mark.parametrize("values_hinted", [False, True], ids=["amd-policy", "intel-policy"])
 def test_prefetch_hint_policy(values_hinted, monkeypatch):
     """``decode.hinted``: both streams for storage types and a transposed K of whole rows; for
-    the compute dtype, K and V on Intel's cores (``HINT_VALUES``), else K alone in KVCache's
-    blocks and neither by rows; nothing for AVX2's panels, nor with the hints off."""
+    the compute dtype, K and V on Intel's cores (``HINT_VALUES``), else neither (KVCache's
+    blocks or rows); nothing for AVX2's panels, nor with the hints off."""
     monkeypatch.setattr(decode, "HINT_VALUES", values_hinted)
     both = decode.HINT_K | decode.HINT_V
     assert decode.hinted(True, True, True) == both
     assert decode.hinted(False, True, False) == both
-    assert decode.hinted(False, True, True) == (both if values_hinted else decode.HINT_K)
+    assert decode.hinted(False, True, True) == (both if values_hinted else 0)
     assert decode.hinted(False, False, False) == (both if values_hinted else 0)
     assert decode.hinted(True, True, True, panels=True) == 0
     monkeypatch.setattr(decode, "PREFETCH", False)

@@ -15,8 +15,8 @@ chunk's scores are a tile product over all D rows of K^T (``transposed_scores``)
 products hint the rows they will read ``AHEAD * CHUNK`` keys later into L2, so that K/V stream
 in while the core computes on the current chunk: K and V where K is stored in float16 or int8
 or transposed in whole rows (which is also hinted a block ahead a few rows at a time,
-``HINT_BLOCK``), K alone for KVCache's blocks in the compute dtype, neither for K by rows in
-the compute dtype (``hinted``).
+``HINT_BLOCK``); neither for K in the compute dtype, by rows or in KVCache's blocks (on
+Intel's cores, both for every layout: ``hinted``).
 
 Each split leaves ``m``, ``l`` and an unnormalized ``acc``; ``combine_row`` merges the splits
 in split order (``out = sum_s acc_s 2^(m_s - M) / sum_s l_s 2^(m_s - M)``). The number of splits
@@ -80,7 +80,8 @@ KEY_BLOCK = 64
 # Zen 3, from DRAM, side by side in one process, steps without hints were faster in 5 of 5
 # rounds in float16 (by 3-10 %) and 4 of 4 in int8 (8-27 %), and in float32 as fast (faster in
 # 4 of 6 rounds, by up to 8 %). Since stop 38 neither is hinted for K in the compute dtype by
-# rows, and only K for KVCache's blocks in the compute dtype: with chunks of up to 1024 keys
+# rows, and from stop 38 to 42 only K for KVCache's blocks in the compute dtype (since stop 43
+# not that either: ``HINT_VALUES``): with chunks of up to 1024 keys
 # the hardware prefetcher streams them as well or better alone from DRAM (float32, the
 # measurements of MAX_CHUNK: 1024 keys with both hinted 30.5 and 29.7 GB/s, with neither 35.9
 # and 30.6, K alone 28.1; a row-major K through ``attention``: 23.3 against 25.7, chunks of 128
@@ -118,6 +119,16 @@ PREFETCH = True  # the hints (a switch for the tests: the same bits without)
 # streaming read before, 75-76 % after (2.99-3.05x torch before, 3.46-3.59x after). The Zen 4's
 # and Zen 3's measurements above chose otherwise, and AMD keeps their choice.
 HINT_VALUES = config.HOST_VENDOR == "GenuineIntel"
+# Since stop 43 KVCache's blocks in the compute dtype are not hinted on AMD either (until then K
+# was, from stop 38's measurements): with the micro-kernels inlined into the tile loops (the
+# products' calls cost less), the hardware prefetcher alone streams them faster. Measured on the
+# Zen 4 (Hkv=2, Nk=32768, float32, 19 layers from DRAM, one process, best of 5 steps a round,
+# the variants in turn with a streaming read after each round; GB/s and share of that read):
+# in a fast spell of the read (56-63 GB/s, 16 rounds) no hints 50.9-53.3 (81-93 %), K hinted
+# 43.9-46.2 (71-80 %), K and V 38.2-39.1 (61-68 %); in a slow spell (35-36 GB/s, 8 rounds) no
+# hints 33.7-35.1 (94-97 %), K 32.5-33.5 (91-93 %); one layer again and again (hot, 6 rounds of
+# 40 steps) no hints 86.7-88.2 GB/s, K 86.0-86.6, K and V 83.9-86.2. float16 keeps its hints:
+# 38.3-39.0 GB/s with them, 35.2-36.0 without (fast spell, 8 rounds).
 HINT_K, HINT_V = 1, 2  # the kernel's ``prefetch`` bits (``hinted``)
 # A transposed K of whole rows (not KVCache's blocks, which are one stream a chunk already) is
 # also hinted a block of HINT_BLOCK keys ahead in the order the hardware prefetcher
@@ -154,13 +165,13 @@ def hinted(k_storage, keys_unit, blocked, panels=False):
     """What the kernel hints ahead (``AHEAD``), as ``HINT_K | HINT_V`` bits: neither for
     KVCache's blocks in ``panels`` narrower than a block (AVX2's; see ``KEY_BLOCK``); else both
     for K in a storage type (float16, int8) or transposed in whole rows, and on Intel's cores
-    (``HINT_VALUES``) for every layout; elsewhere K alone for K in the compute dtype in
-    KVCache's blocks, neither for K in the compute dtype by rows."""
+    (``HINT_VALUES``) for every layout; elsewhere neither: K in the compute dtype, by rows or
+    in KVCache's blocks (see ``HINT_VALUES``)."""
     if not PREFETCH or panels:
         return 0
     if k_storage or (keys_unit and not blocked) or HINT_VALUES:
         return HINT_K | HINT_V
-    return HINT_K if blocked else 0
+    return 0
 
 
 def split_count(n_b, n_hkv, n_k):
