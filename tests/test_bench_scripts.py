@@ -51,6 +51,8 @@ def run(script, args, monkeypatch):
     ("cpu_profile.py", ["decode", "--hkv", "3"], "--h (8) must be a multiple of --hkv (3)"),
     ("cpu_profile.py", ["decode", "--cache", "float64"], "argument --cache: invalid choice"),
     ("cpu_decode_steps.py", ["--panels", "--keys", "100"], "--keys: a multiple of 128"),
+    ("cpu_decode_targets.py", ["--rounds", "0"], "--rounds, --repeats and --nk must be at"),
+    ("cpu_decode_targets.py", ["--hkv", "3"], "--hkv must divide the 8 query heads"),
     ("cpu_fuzz.py", ["--seconds", "0"], "--seconds must be positive"),
     ("cpu_fuzz.py", ["--cases", "-1"], "--cases must be 0 (no limit) or positive"),
     ("cpu_fuzz.py", ["--max-nk", "0"], "--max-nk must be at least 1"),
