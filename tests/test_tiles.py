@@ -6,6 +6,7 @@ give exactly what ``tile_product`` followed by the pass it replaces gives, so th
 results are the same bits as before the fusion, on the SIMD and on the portable kernels.
 """
 import math
+import re
 
 import numba
 import numpy as np
@@ -115,6 +116,20 @@ PANEL = config.MICRO_VECS * LANES
 SHAPES = [(MR, PANEL, 3), (3 * MR, 2 * PANEL, 17), (2 * MR, PANEL, 64), (2 * MR + 1, PANEL, 9),
           (max(1, MR - 1), 2 * PANEL, 5)]
 NARROW = [(MR, LANES, 3), (2 * MR, 2 * PANEL + LANES, 17), (MR, PANEL + 3 * LANES, 5)]
+
+
+def test_micro_kernels_are_inlined_into_the_tile_products():
+    """The micro-kernel dispatches (``_jit.micro_helper``) leave no call behind: a call per
+    micro-tile, with its arguments on the stack, cost the score product 6 % (stop 43), and LLVM
+    alone did not inline the micro-kernels that sum in partial sums."""
+    a, b = np.ones(MR * 64, dtype=np.float32), np.ones(64 * PANEL, dtype=np.float32)
+    _max_fused(a, b, MR, PANEL, 64, PANEL + LANES, LANES)
+    acc, alpha = np.zeros(MR * PANEL, dtype=np.float32), np.ones(MR, dtype=np.float32)
+    _rescale_fused(acc, alpha, a, b, MR, PANEL, 64, 64, 64, False)
+    for fn in (_max_fused, _rescale_fused):
+        for ir in fn.inspect_llvm().values():
+            callees = re.findall(r'call [^@\n]*@"?([^"(\s]+)', ir)
+            assert not [name for name in callees if "_micro_" in name]
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

@@ -240,6 +240,10 @@ def portable_twin(kern):
     return kernel(twin, **kern.options)
 
 
+# The flags of every serial helper (``helper``, ``micro_helper``).
+HELPER_FLAGS = dict(nogil=True, fastmath=FASTMATH, error_model="numpy", no_cfunc_wrapper=True)
+
+
 def helper(fn):
     """A serial helper called from kernels. Numba types a constant argument as a literal
     (``f(s, 0, True)`` as ``Literal[int](0)``, ``Literal[bool](True)``) and compiles a helper
@@ -253,7 +257,7 @@ def helper(fn):
     takes their address). They keep the one for Python: tests call some of them directly, and
     without it (``no_cpython_wrapper``, tried at stop 29: about 2 s less compiling for the
     first forward call) a call from Python crashes the interpreter instead of raising."""
-    return _jit(fn, nogil=True, fastmath=FASTMATH, error_model="numpy", no_cfunc_wrapper=True)
+    return _jit(fn, **HELPER_FLAGS)
 
 
 def micro_helper(fn):
@@ -264,6 +268,4 @@ def micro_helper(fn):
     call with some 20 arguments passed on the stack, and the tile products lost 2-6 %
     (stop 43, Zen 4, one core, a hot 128 x 128 tile at D=64, ``bench/cpu_tile_products.py``:
     S = Q K^T 19.72 -> 18.63 us, P V 18.62 -> 18.24 us)."""
-    return _jit(fn, nogil=True, fastmath=FASTMATH, error_model="numpy", no_cfunc_wrapper=True,
-                inline="always")
-
+    return _jit(fn, inline="always", **HELPER_FLAGS)

@@ -120,9 +120,9 @@ PREFETCH = True  # the hints (a switch for the tests: the same bits without)
 # and Zen 3's measurements above chose otherwise, and AMD keeps their choice.
 HINT_VALUES = config.HOST_VENDOR == "GenuineIntel"
 # Since stop 43 KVCache's blocks in the compute dtype are not hinted on AMD either (until then K
-# was, from stop 38's measurements): with the micro-kernels inlined into the tile loops (the
-# products' calls cost less), the hardware prefetcher alone streams them faster. Measured on the
-# Zen 4 (Hkv=2, Nk=32768, float32, 19 layers from DRAM, one process, best of 5 steps a round,
+# was, from stop 38's measurements): the hardware prefetcher alone streams them faster now (on
+# stop 43's code, with the micro-kernels inlined; whether that moved the balance was not
+# measured). Measured on the Zen 4 (Hkv=2, Nk=32768, float32, 19 layers from DRAM, one process, best of 5 steps a round,
 # the variants in turn with a streaming read after each round; GB/s and share of that read):
 # in a fast spell of the read (56-63 GB/s, 16 rounds) no hints 50.9-53.3 (81-93 %), K hinted
 # 43.9-46.2 (71-80 %), K and V 38.2-39.1 (61-68 %); in a slow spell (35-36 GB/s, 8 rounds) no
