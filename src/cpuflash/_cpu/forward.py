@@ -17,8 +17,9 @@ and a one-hot row's lse is exactly it, so the backward pass's ``P = exp(S - lse)
 there. (Until stop 30 Q carried ``scale * log2(e)``: scores 1.44 times larger, rounded up to
 twice as coarsely, and the lse, stored in natural units, no longer equal to any score: the
 backward's dV on sharp rows had twice torch's error.) The difference ``S - m'`` comes first:
-exact near the maximum, and exactly 0 at it (``tiles.exp_shifted_sum``), and e^x from it without
-rounding ``x log2(e)`` as a whole (``simd.vexp``).
+exact near the maximum, and exactly 0 at it (``tiles.exp_shifted_sum``), and e^x from it with
+``x log2(e)`` rounded once (``simd.vexp_once``, since stop 43: two operations fewer a vector;
+the error it adds is largest for small probabilities, at most 4.4e-8 of the largest).
 
 Never built in full: the (Nq, Nk) score matrix. Scratch per task is O(block_q * (D + block_k +
 Dv)). Every task writes only its own rows of ``out``/``lse``, so the result is bitwise the same

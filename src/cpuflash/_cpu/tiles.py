@@ -363,7 +363,8 @@ def row_max(s, off, n, portable):
 def exp_shifted_sum(s, off, n, shift, natural, portable):
     """``s[j] = e**(s[j] - shift)`` (``natural``) or ``2**(s[j] - shift)`` in place over
     ``s[off:off+n]``; returns the sum. The difference first: exact where ``s`` is near
-    ``shift`` (the probabilities that matter), and 1 exactly at a row's maximum."""
+    ``shift`` (the probabilities that matter), and 1 exactly at a row's maximum. e^x by
+    ``simd.vexp_once`` (``x log2(e)`` rounded once: the forward pass's probabilities)."""
     if portable:
         total = 0.0
         for j in range(n):
@@ -377,7 +378,7 @@ def exp_shifted_sum(s, off, n, shift, natural, portable):
     total_v = simd.vsplat(s, 0.0)
     for j in range(0, n, lanes):
         x = simd.vsub(simd.vload(s, off + j), shift_v)
-        p = simd.vexp(x) if natural else simd.vexp2(x)
+        p = simd.vexp_once(x) if natural else simd.vexp2(x)
         simd.vstore(s, off + j, p)
         total_v = simd.vadd(total_v, p)
     return simd.vhsum(total_v)
