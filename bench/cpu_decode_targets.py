@@ -16,16 +16,7 @@ the read (target: >= 80 %); float32 x torch (target: >= 4); float16 x float32 a 
 """
 import argparse
 
-import numpy as np
-
 from cpuflash import _measure
-
-
-def cold_step(cache, layers, q):
-    def step():
-        for layer in range(layers):
-            cache.attention(layer, q)
-    return step
 
 
 def main(argv=None):
@@ -43,19 +34,13 @@ def main(argv=None):
     if torch_run is None:
         p.error("torch is not installed: pip install torch==2.13.0")
     q, k, v = _measure.make_qkv(1, 8, a.nk, 64, n_q=1, h_kv=a.hkv, seed=0)
-    steps, per_layer = {}, {}
+    steps, per_layer, nbytes = {}, {}, {}
     for dtype in ("float32", "float16"):
-        layer_bytes = _measure.step_bytes(k.shape, 64, dtype)
-        layers = max(1, -(-_measure.COLD_BYTES // layer_bytes))
-        cache, _ = _measure.decode_cache(k, v, dtype, layers)
-        steps[dtype], per_layer[dtype] = cold_step(cache, layers, q), layers
-    f32_bytes = _measure.step_bytes(k.shape, 64, "float32")
+        steps[dtype], per_layer[dtype], nbytes[dtype], _ = _measure.decode_step(q, k, v, dtype,
+                                                                                cold=True)
+    f32_bytes = nbytes["float32"]
     read, n_read = _measure.stream_reader(f32_bytes * per_layer["float32"])
-    torch_kv = [(k, v)] + [(k.copy(), v.copy()) for _ in range(per_layer["float32"] - 1)]
-
-    def torch_step():
-        for k_l, v_l in torch_kv:
-            torch_run(q, k_l, v_l)
+    torch_step, per_layer["torch"] = _measure.torch_decode_step(torch_run, q, k, v, cold=True)
 
     print(f"B=1 Nq=1 Hq=8 Hkv={a.hkv} Nk={a.nk} D=64; float32 steps of {per_layer['float32']} "
           f"layers, float16 of {per_layer['float16']}, from DRAM; ms a layer")
@@ -69,7 +54,7 @@ def main(argv=None):
                                                budget_s=60.0))
         f32 = best["float32"] / per_layer["float32"]
         f16 = best["float16"] / per_layer["float16"]
-        torch_t = best["torch"] / per_layer["float32"]
+        torch_t = best["torch"] / per_layer["torch"]
         read_gbs = n_read / best["read"] / 1e9
         gbs = f32_bytes / f32 / 1e9
         share, vs_torch, f16_gain = gbs / read_gbs, torch_t / f32, f32 / f16

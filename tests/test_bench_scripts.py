@@ -53,6 +53,8 @@ def run(script, args, monkeypatch):
     ("cpu_decode_steps.py", ["--panels", "--keys", "100"], "--keys: a multiple of 128"),
     ("cpu_decode_targets.py", ["--rounds", "0"], "--rounds, --repeats and --nk must be at"),
     ("cpu_decode_targets.py", ["--hkv", "3"], "--hkv must divide the 8 query heads"),
+    ("cpu_decode_targets.py", ["--repeats", "0"], "--rounds, --repeats and --nk must be at"),
+    ("cpu_decode_targets.py", ["--nk", "0"], "--rounds, --repeats and --nk must be at"),
     ("cpu_fuzz.py", ["--seconds", "0"], "--seconds must be positive"),
     ("cpu_fuzz.py", ["--cases", "-1"], "--cases must be 0 (no limit) or positive"),
     ("cpu_fuzz.py", ["--max-nk", "0"], "--max-nk must be at least 1"),

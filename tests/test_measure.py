@@ -70,3 +70,25 @@ def test_stream_reader_reads_the_bytes_it_reports():
     read, n_read = _measure.stream_reader(1 << 20)
     assert n_read == 1 << 20
     assert read() == n_read // 4  # a buffer of ones
+
+
+def test_decode_steps_run_every_layer(monkeypatch):
+    """``decode_step`` and ``torch_decode_step``: cold runs a model's worth of layers
+    (``COLD_BYTES`` together), hot one; each layer of the cache holds the same K/V, so every
+    layer's step is the attention of q over them."""
+    q, k, v = _measure.make_qkv(1, 4, 64, 16, n_q=1, h_kv=2, seed=6)
+    layer_bytes = _measure.step_bytes(k.shape, 16, "float32")
+    monkeypatch.setattr(_measure, "COLD_BYTES", 3 * layer_bytes - 1)
+    assert _measure.layers_for(layer_bytes, cold=True) == 3
+    assert _measure.layers_for(layer_bytes, cold=False) == 1
+    step, layers, nbytes, cache = _measure.decode_step(q, k, v, "float32", cold=True)
+    assert (layers, nbytes) == (3, layer_bytes)
+    step()
+    want = reference.attention(q, k, v)
+    for layer in range(layers):
+        np.testing.assert_allclose(cache.attention(layer, q), want, atol=1e-6)
+    calls = []
+    t_step, t_layers = _measure.torch_decode_step(lambda *a: calls.append(a), q, k, v, True)
+    t_step()
+    assert t_layers == 3 and len(calls) == 3
+    assert all(np.array_equal(c[1], k) and np.array_equal(c[2], v) for c in calls)

@@ -124,6 +124,41 @@ DECODE_BUDGET_S = 0.5
 COLD_DECODE_BUDGET_S = 2.0
 
 
+def layers_for(layer_bytes, cold):
+    """Layers a decode step runs in turn: a model's worth (``COLD_BYTES`` together, so that
+    K/V come from DRAM) if ``cold``, else one (called again and again, it stays in the caches
+    if it fits)."""
+    return max(1, -(-COLD_BYTES // layer_bytes)) if cold else 1
+
+
+def decode_step(q, k, v, cache_dtype, cold):
+    """``(step, layers, layer_bytes, cache)``: a zero-argument callable that runs one decode
+    step of ``q`` over each of ``layers`` layers of a ``KVCache`` in ``cache_dtype`` holding
+    ``k``, ``v`` (``layers_for``), the unique bytes one layer reads, and the cache."""
+    layer_bytes = step_bytes(k.shape, v.shape[3], cache_dtype)
+    layers = layers_for(layer_bytes, cold)
+    cache = decode_cache(k, v, cache_dtype, layers)[0]
+
+    def step():
+        for layer in range(layers):
+            cache.attention(layer, q)
+
+    return step, layers, layer_bytes, cache
+
+
+def torch_decode_step(torch_run, q, k, v, cold):
+    """``(step, layers)``: ``torch_run`` (``torch_decode``) over as many copies of the float32
+    ``k``, ``v`` in turn (``layers_for``)."""
+    layers = layers_for(k.nbytes + v.nbytes, cold)
+    kv32 = [(k, v)] + [(k.copy(), v.copy()) for _ in range(layers - 1)]
+
+    def step():
+        for k_l, v_l in kv32:
+            torch_run(q, k_l, v_l)
+
+    return step, layers
+
+
 def decode_case(h_kv, n_k, cache_dtype, cold=False, h_q=8, d=64, torch_run=None, seed=0):
     """Time one decode step (B=1, Nq=1, ``h_q`` query heads, D=64) of cpuflash on a K/V cache
     in ``cache_dtype`` and of torch's SDPA on the float32 K/V, side by side; with the machine's
@@ -137,27 +172,11 @@ def decode_case(h_kv, n_k, cache_dtype, cold=False, h_q=8, d=64, torch_run=None,
     abs error against the float64 reference on the float32 K/V, i.e. with the cache format's
     rounding)."""
     q, k, v = make_qkv(1, h_q, n_k, d, n_q=1, h_kv=h_kv, seed=seed)
-    layer_bytes = step_bytes(k.shape, v.shape[3], cache_dtype)
-    layers = max(1, -(-COLD_BYTES // layer_bytes)) if cold else 1
-    cache = decode_cache(k, v, cache_dtype, layers)[0]
-
-    def step():
-        for layer in range(layers):
-            cache.attention(layer, q)
-
+    step, layers, layer_bytes, cache = decode_step(q, k, v, cache_dtype, cold)
     fns = {"cpuflash": step}
+    per_layer = {"cpuflash": layers}
     if torch_run is not None:
-        torch_layers = max(1, -(-COLD_BYTES // (k.nbytes + v.nbytes))) if cold else 1
-        kv32 = [(k, v)] + [(k.copy(), v.copy()) for _ in range(torch_layers - 1)]
-
-        def torch_step():
-            for k_l, v_l in kv32:
-                torch_run(q, k_l, v_l)
-
-        fns["torch"] = torch_step
-        per_layer = {"cpuflash": layers, "torch": torch_layers}
-    else:
-        per_layer = {"cpuflash": layers}
+        fns["torch"], per_layer["torch"] = torch_decode_step(torch_run, q, k, v, cold)
     # Each library in its own block, not interleaved: a decode step is short, and the idle
     # OpenMP threads of the other library spin for a while after each of its calls, on the
     # cores this one needs (measured: cpuflash 0.87 ms alone, 1.35 ms interleaved with torch).
