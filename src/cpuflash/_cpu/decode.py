@@ -117,18 +117,18 @@ PREFETCH = True  # the hints (a switch for the tests: the same bits without)
 # and int8 keep both (float16 19.0-20.5 with any, int8 K and V 16.6, K 13.6, neither 9.9).
 # ``cpuflash bench --section decode``, two rounds each: float32 from DRAM 67-69 % of the
 # streaming read before, 75-76 % after (2.99-3.05x torch before, 3.46-3.59x after). The Zen 4's
-# and Zen 3's measurements above chose otherwise, and AMD keeps their choice.
-HINT_VALUES = config.HOST_VENDOR == "GenuineIntel"
-# Since stop 43 KVCache's blocks in the compute dtype are not hinted on AMD either (until then K
-# was, from stop 38's measurements): the hardware prefetcher alone streams them faster now (on
-# stop 43's code, with the micro-kernels inlined; whether that moved the balance was not
-# measured). Measured on the Zen 4 (Hkv=2, Nk=32768, float32, 19 layers from DRAM, one process, best of 5 steps a round,
-# the variants in turn with a streaming read after each round; GB/s and share of that read):
-# in a fast spell of the read (56-63 GB/s, 16 rounds) no hints 50.9-53.3 (81-93 %), K hinted
-# 43.9-46.2 (71-80 %), K and V 38.2-39.1 (61-68 %); in a slow spell (35-36 GB/s, 8 rounds) no
-# hints 33.7-35.1 (94-97 %), K 32.5-33.5 (91-93 %); one layer again and again (hot, 6 rounds of
-# 40 steps) no hints 86.7-88.2 GB/s, K 86.0-86.6, K and V 83.9-86.2. float16 keeps its hints:
+# and Zen 3's measurements above chose otherwise, and AMD kept their choice until stop 43. Since
+# then KVCache's blocks in the compute dtype are not hinted on AMD at all (K was, from stop 38's
+# measurements): the hardware prefetcher alone streams them faster now (on stop 43's code, with
+# the micro-kernels inlined; whether that moved the balance was not measured). Measured on the
+# Zen 4 (Hkv=2, Nk=32768, float32, 19 layers from DRAM, one process, best of 5 steps a round, the
+# variants in turn with a streaming read after each round; GB/s and share of that read): in a fast
+# spell of the read (56-63 GB/s, 16 rounds) no hints 50.9-53.3 (81-93 %), K hinted 43.9-46.2
+# (71-80 %), K and V 38.2-39.1 (61-68 %); in a slow spell (35-36 GB/s, 8 rounds) no hints
+# 33.7-35.1 (94-97 %), K 32.5-33.5 (91-93 %); one layer again and again (hot, 6 rounds of 40
+# steps) no hints 86.7-88.2 GB/s, K 86.0-86.6, K and V 83.9-86.2. float16 keeps its hints:
 # 38.3-39.0 GB/s with them, 35.2-36.0 without (fast spell, 8 rounds).
+HINT_VALUES = config.HOST_VENDOR == "GenuineIntel"
 HINT_K, HINT_V = 1, 2  # the kernel's ``prefetch`` bits (``hinted``)
 # A transposed K of whole rows (not KVCache's blocks, which are one stream a chunk already) is
 # also hinted a block of HINT_BLOCK keys ahead in the order the hardware prefetcher
