@@ -238,6 +238,8 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=2000, help="tiles a run")
     p.add_argument("--rounds", type=int, default=3, help="rounds, AMX and AVX-512 in turn")
     a = p.parse_args(argv)
+    if a.reps < 1 or a.rounds < 1:
+        p.error("--reps and --rounds must be at least 1")
     if not amx_allowed():
         print("no AMX-BF16 here (or Linux refused the tile state): nothing to probe")
         return 0
