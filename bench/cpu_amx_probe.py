@@ -22,7 +22,6 @@ Run with ``NUMBA_NUM_THREADS=1`` and nothing else on the machine. Not collected 
 import argparse
 import ctypes
 import sys
-import time
 
 import numba
 import numpy as np
@@ -33,6 +32,8 @@ from numba.core import cgutils, errors
 from numba.extending import intrinsic
 
 from cpu_tile_products import best_seconds, scores  # the AVX-512 product, as timed there
+from cpuflash import config
+from cpuflash._cpu.pack import on_line, packed_transposed
 
 ROWS, KEYS, D = 128, 128, 64
 SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA = 158, 0x1023, 18
@@ -255,14 +256,12 @@ def main(argv=None):
     s_amx = np.zeros((ROWS, KEYS), np.float32)
     exact = q.astype(np.float64) @ k.astype(np.float64).T
 
-    # The AVX-512 product on the same q, k: K packed in panels as the forward packs it.
-    from cpuflash import config
-    from cpuflash._cpu.pack import on_line
-    panel, lanes = config.panel_width(np.dtype(np.float32)), config.LANES_F32
+    # The AVX-512 product on the same q, k: K packed by the forward's own packer, one tile.
+    lanes = config.LANES_F32
     ld_s = KEYS + lanes
-    q_s, kt = on_line((ROWS * D,), np.float32), on_line((D * KEYS,), np.float32)
+    q_s = on_line((ROWS * D,), np.float32)
     q_s[:] = q.reshape(-1)
-    kt[:] = k.reshape(KEYS // panel, panel, D).transpose(0, 2, 1).reshape(-1)
+    kt = packed_transposed(k[None, None], KEYS, config.panel_width(k.dtype), "keys").reshape(-1)
     s_avx = on_line((ROWS * ld_s,), np.float32)
     row_vmax = on_line((ROWS * lanes,), np.float32)
     tile_max = np.zeros(ROWS, np.float32)
