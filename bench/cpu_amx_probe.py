@@ -12,8 +12,9 @@ hot in the caches, it times
   through ``bench/cpu_tile_products.py``), and both products' largest error against float64.
 
 The six products run in 2 x 2 blocks of 16 x 16 (4 accumulator tiles, 2 of Q, 2 of K: all 8
-tiles), each tile loaded just before the first product that reads it (this order measured 13.0
-us a tile; all four loads first 34; 1 x 2 blocks with tiles loaded twice as often 26). Needs
+tiles), each tile loaded just before the first product that reads it. On stop 45's Xeon this
+order took 18.5-37.6 us a tile over 10 rounds (13.0 once), against 13.2-19.1 for AVX-512;
+with all four loads of a step first 34, in 1 x 2 blocks (tiles loaded twice as often) 26. Needs
 Linux's permission for the tile state (``arch_prctl(ARCH_REQ_XCOMP_PERM)``, asked here).
 Run with ``NUMBA_NUM_THREADS=1`` and nothing else on the machine. Not collected by pytest.
 
