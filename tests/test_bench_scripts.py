@@ -71,6 +71,22 @@ def test_bad_arguments(script, args, words, monkeypatch, capsys):
     assert status == 2 and words in err, err
 
 
+@pytest.mark.parametrize("script,finder", [
+    ("cpu_forward_targets.py", "torch_sdpa"),
+    ("cpu_accuracy.py", "torch_sdpa"),
+    ("cpu_decode_targets.py", "torch_decode"),
+])
+def test_torch_missing(script, finder, monkeypatch, capsys):
+    """The scripts that compare with torch say how to install it where it is missing, before
+    any work (torch stands in as absent: ``_measure``'s finder returns no runner)."""
+    from cpuflash import _measure
+    monkeypatch.setattr(_measure, finder,
+                        lambda: (None, None) if finder == "torch_sdpa" else None)
+    status = run(script, [], monkeypatch)
+    err = capsys.readouterr().err
+    assert status == 2 and "torch is not installed: pip install torch==2.13.0" in err, err
+
+
 def test_profile_names_and_shares(monkeypatch):
     """cpu_profile's reading of Numba's symbols and its count of samples per function."""
     monkeypatch.syspath_prepend(str(BENCH))
