@@ -13,8 +13,8 @@ Two ledgers, kept in a fresh process:
   rounds (three runs); one leaked output of the smallest forward call would be 35 KiB a round.
 
 Both ledgers were checked to fail: a float32 array of 3000 elements kept by each
-``attention`` call (traced growth 5.3 MB over the second window), and a Numba-allocated array of 4 kept by each call
-(880 allocations more than frees).
+``attention`` call (traced growth 5.3 MB over the second window), and a Numba-allocated array
+of 4 kept by each call (880 allocations more than frees).
 
 The workload touches each path once a round: forward with each kind of mask and modifier,
 backward, float16, the decode path (float32 and float16), ``merge``, the varlen pair, a
