@@ -3,7 +3,7 @@ timed side by side with torch's SDPA (``_measure.time_side_by_side``, as ``cpufl
 best of ``--repeats`` calls, the two interleaved call by call), float32, B=1, H=8, the
 threads of Numba (and as many for torch). Then how many rounds met each target.
 
-A shared virtual machine moves by 5-50 % within minutes (the Xeon of stops 44-47 most), and one
+A shared virtual machine moves by 5-50 % within minutes (the Xeon of stops 44-48 most), and one
 ``cpuflash bench`` run is one sample of that; the rounds here say how often a target holds.
 Targets, x torch's throughput: N=2048 D=64 >= 1.2; causal N=2048 and N=8192 D=64 >= 1.2;
 N=512 D=128 >= 1.0. Not collected by pytest.
