@@ -6,7 +6,7 @@ import numba
 
 from . import _checks, config, masks
 from ._cpu.backward import run_backward
-from ._cpu.decode import MAX_NQ, arrays_of_blocks, run_decode
+from ._cpu.decode import ARG, MAX_NQ, StepPlan, arrays_of_blocks, decode, decode_args
 from ._cpu.forward import run_forward
 
 __all__ = ["attention", "attention_backward", "attention_vjp", "merge", "set_num_threads",
@@ -77,10 +77,7 @@ def attention_on_blocks(q, kv_blocks, n_k, options):
     keys. The decode path reads the blocks in place; any other gets K and V as arrays. The
     checks are ``attention``'s, on stand-ins for K and V of their shapes and dtype that hold no
     memory."""
-    n_b, n_hkv, _, _, d, _ = kv_blocks.k.shape
-    dv = kv_blocks.v.shape[3] * kv_blocks.v.shape[5]
-    k = _stand_in((n_b, n_hkv, n_k, d), kv_blocks.k.dtype)
-    v = _stand_in((n_b, n_hkv, n_k, dv), kv_blocks.v.dtype)
+    k, v = _block_stand_ins(kv_blocks, n_k)
     if options.keys() <= _PLAIN_ON_BLOCKS:
         kv_scales = (None if "k_scale" not in options and "v_scale" not in options
                      else (options.get("k_scale"), options.get("v_scale")))
@@ -94,6 +91,14 @@ def attention_on_blocks(q, kv_blocks, n_k, options):
 # The options ``attention_on_blocks`` takes straight to ``_plain_decode``: an int8 cache's
 # scales come with every step (``KVCache.attention``).
 _PLAIN_ON_BLOCKS = frozenset(("causal", "scale", "k_scale", "v_scale"))
+
+
+def _block_stand_ins(kv_blocks, n_k):
+    """Stand-ins for K and V of a layer's ``Blocks`` over its first ``n_k`` keys."""
+    n_b, n_hkv, _, _, d, _ = kv_blocks.k.shape
+    dv = kv_blocks.v.shape[3] * kv_blocks.v.shape[5]
+    return (_stand_in((n_b, n_hkv, n_k, d), kv_blocks.k.dtype),
+            _stand_in((n_b, n_hkv, n_k, dv), kv_blocks.v.dtype))
 
 
 @functools.lru_cache(maxsize=16)
@@ -161,6 +166,16 @@ def _plain_decode(q, k, v, causal, scale, kv_blocks=None, kv_scales=None):
     float. It runs the same kernel on the same arguments as the general path (the same bits).
     ``kv_blocks``: as ``attention_on_blocks``. (int8 steps took the general path until stop 40:
     95 us a call against float16's 40, Nk=64.)"""
+    args = _plain_decode_args(q, k, v, causal, scale, kv_blocks, kv_scales)
+    if args is None:
+        return None
+    decode(*args)
+    return args[ARG["out"]]
+
+
+def _plain_decode_args(q, k, v, causal, scale, kv_blocks, kv_scales):
+    """``_plain_decode``'s kernel arguments (``decode.decode_args``), or None where it does not
+    take the call."""
     if not (type(q) is np.ndarray and type(k) is np.ndarray and type(v) is np.ndarray
             and q.ndim == 4 and k.ndim == 4 and v.ndim == 4 and not config.PORTABLE
             and (causal is True or causal is False)):
@@ -186,12 +201,23 @@ def _plain_decode(q, k, v, causal, scale, kv_blocks=None, kv_scales=None):
             and x.shape == (n_b, n_hkv, n_k) for x in kv_scales):
         return None
     # Everything else is valid here, so a NaN or zero scale raises what the general path would.
-    decoded = run_decode(q, k, v, _checks.scale(scale, d),
-                         masks.band(causal, None, None, n_b, n_k),
-                         masks.modifiers(None, None, n_b, n_hq),
-                         masks.UserMask(None, n_b, n_hq, n_q, n_k, dtype), masks.NO_DROPOUT,
-                         kv_scales=kv_scales, kv_blocks=kv_blocks)
-    return None if decoded is None else decoded[0]
+    return decode_args(q, k, v, _checks.scale(scale, d),
+                       masks.band(causal, None, None, n_b, n_k),
+                       masks.modifiers(None, None, n_b, n_hq),
+                       masks.UserMask(None, n_b, n_hq, n_q, n_k, dtype), masks.NO_DROPOUT,
+                       kv_scales=kv_scales, kv_blocks=kv_blocks)
+
+
+def step_plan(q, kv_blocks, n_k, causal, scale, scales=None):
+    """A ``decode.StepPlan`` for ``KVCache.attention``'s steps like this one (a layer's
+    ``Blocks``, its first ``n_k`` keys, no option but ``causal`` and ``scale``), or None where
+    ``_plain_decode`` would not take it. ``scales``: an int8 cache's ``(k_scale, v_scale)`` of
+    the layer, (B, Hkv, max_len) each. Make it after such a call has passed: its plan skips the
+    checks."""
+    k, v = _block_stand_ins(kv_blocks, n_k)
+    kv_scales = None if scales is None else tuple(x[:, :, :n_k] for x in scales)
+    args = _plain_decode_args(q, k, v, causal, scale, kv_blocks, kv_scales)
+    return None if args is None else StepPlan(args, scales)
 
 
 @functools.cache

@@ -33,11 +33,28 @@ import numpy as np
 from . import _checks
 from ._cpu.decode import (KEY_BLOCK, arrays_of_blocks, key_panel_width, layer_blocks,
                           value_panel_width)
-from ._cpu.pack import on_line
-from .api import attention_on_blocks
+from ._cpu.pack import aligned, on_line
+from .api import attention_on_blocks, step_plan
 
 STORAGE_DTYPES = (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16),
                   np.dtype(np.int8))
+_STEP_OPTIONS = frozenset(("causal", "scale"))
+MAX_PLANS = 256  # a cache's step plans, kept until there are this many (then dropped)
+
+
+def _step_key(layer, q, options):
+    """The key of ``KVCache.attention``'s step plans for a call, or None for a call that no plan
+    may take: a plan is made only after a call of that key has passed every check, so the key
+    holds exactly what those checks looked at (``api._plain_decode``): the layer (an int),
+    ``q``'s shape and dtype (a numpy array; any strides), ``causal`` (a bool) and ``scale``
+    (None or a float). Exact types: ``True == 1`` and ``1.0 == 1`` would share a key, and
+    ``causal=1`` must still meet the check that refuses it."""
+    if type(layer) is not int or type(q) is not np.ndarray or not options.keys() <= _STEP_OPTIONS:
+        return None
+    causal, scale = options.get("causal", False), options.get("scale")
+    if not (causal is True or causal is False) or not (scale is None or type(scale) is float):
+        return None
+    return layer, q.shape, q.dtype, causal, scale
 
 
 def quantize_int8(x, *, name="x"):
@@ -106,15 +123,14 @@ class KVCache:
                                 dtype, zeroed=True)
         self.v_blocks = on_line((layers, batch, kv_heads, n_blocks, v_head_dim // u, KEY_BLOCK,
                                  u), dtype, zeroed=True)
-        # each layer's blocks and the decode kernel's view of them, made once
-        self._layers = [layer_blocks(self.k_blocks[layer], self.v_blocks[layer], compute)
-                        for layer in range(layers)]
+        self._layers = self._layer_blocks()  # made once
         self.lengths = np.zeros(layers, dtype=np.int64)  # tokens held by each layer
         if dtype == np.int8:
             self.k_scale = np.zeros((layers, batch, kv_heads, max_len), np.float32)
             self.v_scale = np.zeros((layers, batch, kv_heads, max_len), np.float32)
         else:
             self.k_scale = self.v_scale = None
+        self._plans = {}  # decode.StepPlan by _step_key
 
     @property
     def nbytes(self):
@@ -187,16 +203,62 @@ class KVCache:
         aligns the new queries to the end of the cache), reading the cache in place on the
         decode path (``Nq <= 16``; else K is copied out of its blocks first). float16/int8
         caches are read with float32 ``q``; with a float32/float64 cache, ``q`` has the
-        cache's dtype."""
+        cache's dtype.
+
+        A decode step with no option but ``causal`` and ``scale`` is checked in full once per
+        layer and kind of query (shape, dtype, ``causal``, ``scale``); the steps after it run
+        from that step's kernel arguments (``decode.StepPlan``): the same bits, without the
+        checks' Python."""
+        key = _step_key(layer, q, options)
+        plan = self._plans.get(key) if key is not None else False  # None: a new kind of call
+        if plan:
+            n = int(self.lengths[layer])
+            if n:
+                return plan.run(q, n)
         layer = self._layer(layer)
         n = int(self.lengths[layer])
+        scales = None
         if self.k_scale is not None:
             for name in ("k_scale", "v_scale"):
                 if name in options:
                     raise TypeError(f"{name}: the cache's own; not an option here")
-            options = {"k_scale": self.k_scale[layer, :, :, :n],
-                       "v_scale": self.v_scale[layer, :, :, :n], **options}
-        return attention_on_blocks(q, self._layers[layer], n, options)
+            scales = (self.k_scale[layer], self.v_scale[layer])
+            options = {"k_scale": scales[0][:, :, :n], "v_scale": scales[1][:, :, :n],
+                       **options}
+        out = attention_on_blocks(q, self._layers[layer], n, options)
+        if plan is None and n:  # it passed the checks: later calls like it skip them
+            if len(self._plans) >= MAX_PLANS:
+                self._plans.clear()
+            # False where the call is no plain decode step (Nq > 16, say): kept, so that such
+            # calls do not try again
+            self._plans[key] = step_plan(q, self._layers[layer], n, key[3], key[4],
+                                         scales) or False
+        return out
+
+    def __getstate__(self):
+        """For ``pickle`` and ``copy``: the storage, lengths and scales, not the views of the
+        storage (``_layers``, whose copies would no longer be views of the copied storage: a
+        deep copy then appended to one copy of K and read another) nor the step plans (which
+        hold such views)."""
+        state = self.__dict__.copy()
+        del state["_layers"], state["_plans"]
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        for name in ("k_blocks", "v_blocks"):  # a copy starts where numpy put it
+            x = getattr(self, name)
+            if not aligned(x):
+                setattr(self, name, on_line(x.shape, x.dtype))
+                getattr(self, name)[...] = x
+        self._layers = self._layer_blocks()
+        self._plans = {}
+
+    def _layer_blocks(self):
+        """Each layer's blocks and the decode kernel's view of them (``layer_blocks``)."""
+        compute = np.dtype(np.float32) if self.dtype.itemsize < 4 else self.dtype
+        return [layer_blocks(self.k_blocks[layer], self.v_blocks[layer], compute)
+                for layer in range(self.k_blocks.shape[0])]
 
     def reset(self):
         """Forget every token (the storage is kept)."""

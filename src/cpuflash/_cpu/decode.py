@@ -24,6 +24,7 @@ is a function of the shapes only (``split_count``), so the result is the same fo
 count.
 """
 import functools
+import inspect
 import math
 from typing import NamedTuple
 
@@ -705,7 +706,19 @@ def run_decode(q, k, v, scale, band, mods, user_mask, drop, out=None, kv_scales=
     ``(left, right, kv_lens)`` of masking.py. ``out``, ``lse``: written in place if given.
     ``kv_blocks``: a layer of KVCache's ``Blocks``, read in their place where this host reads
     their panels (else None is returned); ``k`` and ``v`` then give only their shapes and
-    dtypes.
+    dtypes. Returns ``(out, lse)``."""
+    args = decode_args(q, k, v, scale, band, mods, user_mask, drop, out, kv_scales, lse,
+                       kv_blocks)
+    if args is None:
+        return None
+    decode(*args)
+    return args[ARG["out"]], args[ARG["lse"]]
+
+
+def decode_args(q, k, v, scale, band, mods, user_mask, drop, out=None, kv_scales=None,
+                lse=None, kv_blocks=None):
+    """The decode kernel's argument list for ``run_decode``'s call, or None where the decode
+    path does not apply.
 
     This Python runs right after the previous step's kernel has streamed K/V through the
     caches, where each numpy call costs several microseconds: it stays short."""
@@ -745,9 +758,77 @@ def run_decode(q, k, v, scale, band, mods, user_mask, drop, out=None, kv_scales=
     k_storage = k.dtype != dtype
     prefetch = hinted(k_storage, k_steps[3] != 1, k_block != KEY_BLOCK * k_steps[2],
                       k_panel != 1)
-    decode(q, k_store, k_steps, k_block, k_panel, k_storage, prefetch, v_store, v_steps,
-           v_block, v_panel, k_scale, ks_strides, v_scale, vs_strides, n_hkv, n_k, d, dv,
-           n_splits, chunk, scale * LOG2_E, left, right, kv_lens, softcap2, slopes2,
-           *user_mask.kernel_args(), user_mask.given, drop[0], drop[2], drop[1], m_part, l_part,
-           acc_part, out, lse, acc_part.size <= SERIAL_COMBINE)
-    return out, lse
+    return [q, k_store, k_steps, k_block, k_panel, k_storage, prefetch, v_store, v_steps,
+            v_block, v_panel, k_scale, ks_strides, v_scale, vs_strides, n_hkv, n_k, d, dv,
+            n_splits, chunk, scale * LOG2_E, left, right, kv_lens, softcap2, slopes2,
+            *user_mask.kernel_args(), user_mask.given, drop[0], drop[2], drop[1], m_part,
+            l_part, acc_part, out, lse, acc_part.size <= SERIAL_COMBINE]
+
+
+# The decode kernel's arguments by name: their places in ``decode_args``' list.
+ARG = {name: i for i, name in enumerate(inspect.signature(decode.py_func).parameters)}
+# Those that ``StepPlan.run`` makes anew for each step.
+PER_STEP = ("q", "n_k", "n_splits", "kv_lens", "m_part", "l_part", "acc_part", "out", "lse",
+            "serial_merge")
+
+
+class StepPlan:
+    """Decode steps of one KVCache layer for queries of one shape and dtype, one ``causal``
+    and one ``scale``: the kernel's argument list of one such step (``decode_args``), kept,
+    with what changes from step to step filled in anew by ``run``: the queries, the number of
+    keys (and with it the splits, ``kv_lens`` and an int8 cache's scales), the partial results
+    and the output. The same kernel on the same arguments as the step's own path: the same
+    bits.
+
+    Why: a step from DRAM runs right after the previous layer's kernel has swept every cache,
+    and there the Python of the plain decode path (``api._plain_decode``: checks, stand-ins,
+    the band, modifiers and mask objects, the layout) took 40-90 us of a 1.3-1.7 ms step
+    (Hkv=2, Nk=32768, float32; time stamps from the cycle counter, stop 49). Hot, at Nk=64,
+    ``KVCache.attention`` took 36 us against the kernel's 15-19."""
+
+    __slots__ = ("args", "n_b", "n_hkv", "shapes", "dtype", "scales", "kv_lens")
+
+    def __init__(self, args, scales=None):
+        """``args``: a step's ``decode_args``; ``scales``: an int8 cache's ``(k_scale,
+        v_scale)`` of the layer over all its ``max_len`` tokens, (B, Hkv, max_len) each (the
+        step reads its first ``n_k``), else None."""
+        q, m_part, acc_part = (args[ARG[name]] for name in ("q", "m_part", "acc_part"))
+        self.n_b, self.n_hkv = q.shape[0], args[ARG["n_hkv"]]
+        self.shapes = (m_part.shape[1:], acc_part.shape[1:], args[ARG["out"]].shape,
+                       args[ARG["lse"]].shape)
+        self.dtype = q.dtype
+        self.args = list(args)
+        for name in PER_STEP + (("k_scale_4", "v_scale_4") if scales is not None else ()):
+            self.args[ARG[name]] = None  # not kept: the step's output, for one, is the caller's
+        self.scales = scales
+        self.kv_lens = (0, None)  # (n_k, its kv_lens), replaced whole: threads may share a plan
+
+    def run(self, q, n_k):
+        """The step's output for ``q`` (of the plan's shape and dtype) over the layer's first
+        ``n_k`` keys (``n_k >= 1``)."""
+        args = self.args.copy()
+        n_splits = split_count(self.n_b, self.n_hkv, n_k)
+        kv_lens = self.kv_lens
+        if kv_lens[0] != n_k:
+            kv_lens = (n_k, np.full(self.n_b, n_k, dtype=np.int64))
+            kv_lens[1].flags.writeable = False
+            self.kv_lens = kv_lens
+        part_shape, acc_shape, out_shape, lse_shape = self.shapes
+        dtype = self.dtype
+        acc_part = np.empty((n_splits,) + acc_shape, dtype=dtype)
+        out = np.empty(out_shape, dtype=dtype)
+        args[0] = q
+        args[ARG["n_k"]] = n_k
+        args[ARG["n_splits"]] = n_splits
+        args[ARG["kv_lens"]] = kv_lens[1]
+        args[ARG["m_part"]] = np.empty((n_splits,) + part_shape, dtype=dtype)
+        args[ARG["l_part"]] = np.empty((n_splits,) + part_shape, dtype=dtype)
+        args[ARG["acc_part"]] = acc_part
+        args[ARG["out"]] = out
+        args[ARG["lse"]] = np.empty(lse_shape, dtype=dtype)
+        args[ARG["serial_merge"]] = acc_part.size <= SERIAL_COMBINE
+        if self.scales is not None:  # the step's first n_k scales, as ``_scales_4d`` takes them
+            args[ARG["k_scale_4"]] = self.scales[0][:, :, :n_k, None]
+            args[ARG["v_scale_4"]] = self.scales[1][:, :, :n_k, None]
+        decode(*args)
+        return out
