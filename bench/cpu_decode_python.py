@@ -2,10 +2,12 @@
 ``--layers`` deep KVCache (K/V from DRAM, as the decode benchmark's cold steps), in rounds in
 one process, through
 
-* ``plain``: ``cache.attention(layer, q)``, which takes the plain decode path
-  (``api._plain_decode``),
-* ``general``: the same call with ``return_lse=True``, which takes the general checks,
-* ``kernel``: the decode kernel alone, called with the arguments the plain path gave it,
+* ``planned``: ``cache.attention(layer, q)``, which runs from the layer's step plan
+  (``decode.StepPlan``: the kernel's arguments of a checked step, kept; since stop 49),
+* ``plain``: the plain decode path with its checks (``api._plain_decode``, through
+  ``api.attention_on_blocks``), as ``cache.attention`` ran every step before stop 49,
+* ``general``: ``cache.attention(layer, q, return_lse=True)``, which takes the general checks,
+* ``kernel``: the decode kernel alone, called with the arguments a plan gave it,
 
 and the streaming read of the same bytes (``_cpu/stream.py``). Medians of the rounds, ms a
 layer. A step runs right after its kernel has streamed K/V through every cache, so its
@@ -24,6 +26,7 @@ import time
 import numpy as np
 
 import cpuflash
+from cpuflash import api
 from cpuflash._cpu import decode
 from cpuflash._cpu.stream import stream_sum
 
@@ -54,14 +57,17 @@ def main(argv=None):
     for layer in range(a.layers):
         cache.append(layer, *kv)
     q = rng.standard_normal((1, 8, 1, 64), dtype=np.float32)
+    for layer in range(a.layers):
+        cache.attention(layer, q)  # checked: each layer's plan
     kernel_args = []
     kernel = decode.decode
     decode.decode = lambda *args: kernel_args.append(args) or kernel(*args)
     try:
         for layer in range(a.layers):
-            cache.attention(layer, q)
+            cache.attention(layer, q)  # from the plan
     finally:
         decode.decode = kernel
+    assert len(kernel_args) == a.layers, "cache.attention took no step plan"
     everything = np.concatenate([cache.k_blocks.reshape(-1), cache.v_blocks.reshape(-1)])
     shorter = itertools.count(1)
 
@@ -70,8 +76,13 @@ def main(argv=None):
             cache.lengths[layer] = a.nk - next(shorter) % (a.nk // 2)
         return layer
 
+    def plain(layer):
+        layer = now(layer)
+        return api.attention_on_blocks(q, cache._layers[layer], int(cache.lengths[layer]), {})
+
     ways = {
-        "plain": lambda: [cache.attention(now(layer), q) for layer in range(a.layers)],
+        "planned": lambda: [cache.attention(now(layer), q) for layer in range(a.layers)],
+        "plain": lambda: [plain(layer) for layer in range(a.layers)],
         "general": lambda: [cache.attention(now(layer), q, return_lse=True)
                             for layer in range(a.layers)],
         "kernel": lambda: [kernel(*args) for args in kernel_args],
@@ -92,9 +103,10 @@ def main(argv=None):
         m = np.median(times)
         print(f"{name:8s} {m:6.3f} ms a layer  {100 * stream / m:4.0f} % of the stream  "
               f"[{' '.join(f'{t:.2f}' for t in times)}]")
-    gain = np.array(ms["general"]) - np.array(ms["plain"])
-    print(f"plain faster than general in {int((gain > 0).sum())} of {a.rounds} rounds, by "
-          f"{np.median(gain) * 1e3:.0f} us a layer (median)")
+    for fast, slow in (("planned", "plain"), ("plain", "general")):
+        gain = np.array(ms[slow]) - np.array(ms[fast])
+        print(f"{fast} faster than {slow} in {int((gain > 0).sum())} of {a.rounds} rounds, by "
+              f"{np.median(gain) * 1e3:.0f} us a layer (median)")
 
 
 if __name__ == "__main__":

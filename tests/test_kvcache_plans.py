@@ -207,3 +207,20 @@ def test_a_copied_cache_reads_its_own_storage(dtype, how):
         assert not np.shares_memory(twin.k_blocks, cache.k_blocks)
         assert int(cache.lengths[0]) == 30
         np.testing.assert_array_equal(cache.attention(0, q), before)
+
+
+@pytest.mark.parametrize("bad_length", [-1, 401])
+def test_a_length_the_storage_cannot_back_is_refused(bad_length):
+    """``lengths`` is a public array: a length past ``max_len`` (or below 0) written there is
+    refused by ``attention`` (with or without a plan), ``append`` and ``view``, never read past
+    the storage."""
+    cache = _filled(np.float32)
+    q = rand((2, 4, 1, D), seed=1)
+    cache.attention(0, q)
+    cache.attention(0, q)
+    cache.lengths[0] = bad_length
+    message = f"lengths[0]: expected 0..400 (max_len), got {bad_length}"
+    for call in (lambda: cache.attention(0, q), lambda: cache.view(0),
+                 lambda: cache.append(0, rand((2, 2, 1, D), seed=2), rand((2, 2, 1, D), seed=3))):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            call()

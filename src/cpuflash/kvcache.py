@@ -144,6 +144,14 @@ class KVCache:
             raise ValueError(f"layer: expected 0..{len(self.lengths) - 1}, got {layer}")
         return int(layer)
 
+    def _length(self, layer):
+        """The tokens ``layer`` holds (``lengths`` is a public array: a value written there
+        that the storage cannot back would have the kernels read past it)."""
+        n = int(self.lengths[layer])
+        if not 0 <= n <= self.max_len:
+            raise ValueError(f"lengths[{layer}]: expected 0..{self.max_len} (max_len), got {n}")
+        return n
+
     def append(self, layer, k, v):
         """Write ``k`` (B, Hkv, n, D) and ``v`` (B, Hkv, n, Dv) after the layer's tokens, in
         place (converted to the cache's dtype; int8 quantized per token and head). Raises
@@ -159,7 +167,7 @@ class KVCache:
         if k.shape[2] != v.shape[2]:
             raise ValueError(f"k, v: expected the same number of new tokens, got "
                              f"{k.shape[2]} and {v.shape[2]}")
-        start, n_new = int(self.lengths[layer]), k.shape[2]
+        start, n_new = self._length(layer), k.shape[2]
         if start + n_new > self.max_len:
             raise ValueError(f"cache overflow: layer {layer} holds {start} of max_len "
                              f"{self.max_len} tokens; appending {n_new} would exceed it")
@@ -191,7 +199,7 @@ class KVCache:
         rows, else a copy, and, for int8, ``scales = {"k_scale": ..., "v_scale": ...}`` views
         (else ``{}``). ``attention`` reads the cache in place."""
         layer = self._layer(layer)
-        n = int(self.lengths[layer])
+        n = self._length(layer)
         k, v = arrays_of_blocks(self._layers[layer], n)
         if self.k_scale is None:
             return k, v, {}
@@ -213,10 +221,10 @@ class KVCache:
         plan = self._plans.get(key) if key is not None else False  # None: a new kind of call
         if plan:
             n = int(self.lengths[layer])
-            if n:
+            if 0 < n <= self.max_len:
                 return plan.run(q, n)
         layer = self._layer(layer)
-        n = int(self.lengths[layer])
+        n = self._length(layer)
         scales = None
         if self.k_scale is not None:
             for name in ("k_scale", "v_scale"):
