@@ -13,7 +13,8 @@ Each case is of one kind (``--kinds``, taken in turn):
 - ``cache``: a ``KVCache`` (float32, float64, float16 or int8; one or two layers; a D and a
   Dv that its panels divide or not) filled by a prefill and a few appends, then
   ``KVCache.attention`` with 1-16 queries (the decode path on the blocks) or 17-40 (the tiled
-  path), against the reference on the cache's dequantized K/V (``KVCache.view``);
+  path), against the reference on the cache's dequantized K/V (``KVCache.view``); a plain
+  step also checked and then from its step plan, both bitwise equal to the general path;
 - ``varlen``: ``attention_varlen`` and its backward over 1-4 packed sequences (empty ones
   too), each against the reference on its own, dropout with each sequence's seed;
 - ``torch`` (needs torch): ``cpuflash.torch.scaled_dot_product_attention`` against torch's own
@@ -283,10 +284,16 @@ def cache_case(rng, max_nk):
 
 def check_cache(case, tol):
     """``check`` for a ``cache_case``: ``KVCache.attention`` against the reference on the
-    dequantized cache."""
+    dequantized cache. A plain step (no option but ``causal``) also runs twice without the
+    lse: checked, then from its step plan (``decode.StepPlan``); both must give the general
+    path's bits."""
     cache, layer, q, opts, k, v = case
     out, lse = cache.attention(layer, q, return_lse=True, **opts)
     ref, ref_lse = reference.attention(q, k, v, return_lse=True, **opts)
+    if opts.keys() <= {"causal"} and not all(
+            np.array_equal(cache.attention(layer, q, **opts), out, equal_nan=True)
+            for _ in range(2)):
+        return None
     return _verdict(out, lse, ref, ref_lse, tol, False)
 
 
