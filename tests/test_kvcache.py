@@ -120,6 +120,48 @@ def test_quantize_int8_round_trip():
         cpuflash.quantize_int8(np.array([[1.0, np.nan]], np.float32))
 
 
+def _quantized_by_definition(x):
+    """int8 quantization as numpy expressions, in float32: the definition ``quantize_int8``'s
+    one-pass kernel (``_cpu/quantize.py``) must match bit for bit."""
+    x32 = np.asarray(x).astype(np.float32)
+    amax = np.max(np.abs(x32), axis=-1) if x32.shape[-1] else np.zeros(x32.shape[:-1], np.float32)
+    scale = (amax / np.float32(127.0)).astype(np.float32)
+    safe = np.where(scale > 0, scale, np.float32(1.0))
+    return np.clip(np.rint(x32 / safe[..., None]), -127, 127).astype(np.int8), scale
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_quantize_int8_matches_its_definition_bitwise(seed):
+    """Random shapes (empty axes too), dtypes, magnitudes, strides, rows of zeros and values on
+    the rounding ties (ties go to even): the same int8 values and float32 scales as the numpy
+    definition; NaN and Inf anywhere raise."""
+    ties = np.array([[127.0, 0.5, 1.5, 2.5, -0.5, -2.5, 126.5]], np.float32)  # scale 1
+    np.testing.assert_array_equal(cpuflash.quantize_int8(ties)[0], [[127, 0, 2, 2, 0, -2, 126]])
+    rng = np.random.default_rng(seed)
+    for case in range(40):
+        shape = tuple(int(n) for n in rng.integers(0, 6, size=int(rng.integers(1, 5))))
+        dtype = (np.float16, np.float32, np.float64)[case % 3]
+        with np.errstate(over="ignore"):
+            x = (rng.standard_normal(shape) * 10.0 ** rng.uniform(-3, 3)).astype(dtype)
+        if case % 4 == 0:  # halves of a step of a row whose max is 127.0: ties
+            x = (np.round(rng.standard_normal(shape) * 254) / 2).astype(dtype)
+        if case % 5 == 0 and x.ndim > 1:
+            x = x.swapaxes(0, -1)
+        if case % 7 == 0 and x.size:
+            x[..., :1] = 0.0
+            x[(0,) * (x.ndim - 1)] = 0.0  # one whole row of zeros
+        x8, scale = cpuflash.quantize_int8(x)
+        want8, want_scale = _quantized_by_definition(x)
+        assert x8.dtype == np.int8 and scale.dtype == np.float32
+        np.testing.assert_array_equal(x8, want8)
+        np.testing.assert_array_equal(scale.view(np.uint32), want_scale.view(np.uint32))
+        if x.size and x.shape[-1]:
+            bad = x.astype(np.float32)
+            bad.flat[int(rng.integers(bad.size))] = (np.nan, np.inf, -np.inf)[case % 3]
+            with pytest.raises(ValueError, match="finite"):
+                cpuflash.quantize_int8(bad)
+
+
 def test_append_is_in_place_and_view_gives_the_keys():
     """Appends write the storage in place; ``view`` gives K as an array (a copy out of the
     blocks), V as a view where its blocks hold whole rows (else a copy), the scales as views of

@@ -34,6 +34,7 @@ from . import _checks
 from ._cpu.decode import (KEY_BLOCK, arrays_of_blocks, key_panel_width, layer_blocks,
                           value_panel_width)
 from ._cpu.pack import aligned, on_line
+from ._cpu.quantize import quantize_rows
 from .api import attention_on_blocks, step_plan
 
 STORAGE_DTYPES = (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16),
@@ -61,19 +62,21 @@ def quantize_int8(x, *, name="x"):
     """``(x8, scale)`` with ``x8`` int8 and ``scale`` float32 of shape ``x.shape[:-1]``, such that
     ``x8 * scale[..., None]`` approximates ``x``: symmetric, ``scale = max|x| / 127`` over the
     last axis (a row of zeros gets scale 0). NaN or Inf in ``x`` raise ValueError: int8 cannot
-    hold them. ``name``: the argument named in errors."""
+    hold them. ``name``: the argument named in errors. (One pass a row, ``quantize.py``.)"""
     x = np.asarray(x)
     if x.dtype not in _checks.FLOAT_DTYPES:
         raise TypeError(f"{name}: expected a float array, got {x.dtype}")
     if x.ndim == 0:
         raise ValueError(f"{name}: expected at least one axis (the head dim), got a scalar")
     x32 = x.astype(np.float32, copy=False)
-    if not np.all(np.isfinite(x32)):
+    d = x.shape[-1]
+    x8 = np.empty(x.shape, np.int8)
+    scale = np.empty(x.shape[:-1], np.float32)
+    rows = x32.reshape(-1, d) if d else None  # (no rows to reshape by where D = 0)
+    if rows is None:
+        scale[...] = 0.0
+    elif rows.shape[0] and not quantize_rows(rows, x8.reshape(-1, d), scale.reshape(-1)):
         raise ValueError(f"{name}: int8 quantization needs finite values, got NaN or Inf")
-    amax = np.max(np.abs(x32), axis=-1) if x.shape[-1] else np.zeros(x.shape[:-1], np.float32)
-    scale = (amax / np.float32(127.0)).astype(np.float32)
-    safe = np.where(scale > 0, scale, np.float32(1.0))
-    x8 = np.clip(np.rint(x32 / safe[..., None]), -127, 127).astype(np.int8)
     return x8, scale
 
 
