@@ -40,7 +40,10 @@ from .api import attention_on_blocks, step_plan
 STORAGE_DTYPES = (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16),
                   np.dtype(np.int8))
 _STEP_OPTIONS = frozenset(("causal", "scale"))
-MAX_PLANS = 256  # a cache's step plans, kept until there are this many (then dropped)
+# A cache's step plans are kept until there are this many, then all dropped: room for every
+# layer of a deep model times the few kinds of step it runs (a plan is a list of the kernel's
+# arguments, most of them shared with the cache: about a kilobyte of its own).
+MAX_PLANS = 4096
 
 
 def _step_key(layer, q, options):
