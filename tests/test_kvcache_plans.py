@@ -81,7 +81,7 @@ def test_a_planned_step_skips_the_checks(monkeypatch):
     cache.attention(0, q, scale=0.25)
     assert calls == []
     cache.attention(0, q, scale=0.5)
-    assert len(calls) == 3  # the checked step's _plain_decode_args, step_plan and its own
+    assert len(calls) == 2  # step_plan, and the plain path's checks in it
 
 
 @pytest.mark.parametrize("q_shape, q_dtype, options, error, message", [
@@ -134,9 +134,17 @@ def test_calls_no_plan_takes_are_remembered(monkeypatch):
 
 
 def test_an_empty_layer_takes_the_checked_path():
-    """A plan's layer emptied by ``reset``: its next step sees no key (output 0), as checked."""
-    cache = _filled(np.float32)
+    """A plan's layer emptied by ``reset``: its next step sees no key (output 0), as checked.
+    A step on a layer still empty makes no plan (a plan needs a length to check); the first
+    step after an append does."""
+    empty = cpuflash.KVCache(1, 2, 2, 64, D)
     q = rand((2, 4, 1, D), seed=1)
+    np.testing.assert_array_equal(empty.attention(0, q), np.zeros((2, 4, 1, D), np.float32))
+    assert empty._plans == {}
+    empty.append(0, rand((2, 2, 3, D), seed=2), rand((2, 2, 3, D), seed=3))
+    np.testing.assert_array_equal(empty.attention(0, q), _checked(empty, 0, q))
+    assert [type(p) for p in empty._plans.values()] == [decode.StepPlan]
+    cache = _filled(np.float32)
     cache.attention(0, q)
     cache.attention(0, q)
     cache.reset()

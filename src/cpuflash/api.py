@@ -210,10 +210,10 @@ def _plain_decode_args(q, k, v, causal, scale, kv_blocks, kv_scales):
 
 def step_plan(q, kv_blocks, n_k, causal, scale, scales=None):
     """A ``decode.StepPlan`` for ``KVCache.attention``'s steps like this one (a layer's
-    ``Blocks``, its first ``n_k`` keys, no option but ``causal`` and ``scale``), or None where
-    ``_plain_decode`` would not take it. ``scales``: an int8 cache's ``(k_scale, v_scale)`` of
-    the layer, (B, Hkv, max_len) each. Make it after such a call has passed: its plan skips the
-    checks."""
+    ``Blocks``, its first ``n_k >= 1`` keys, no option but ``causal`` and ``scale``): the
+    arguments ``_plain_decode`` would run its kernel on, built by its checks (a NaN or zero
+    ``scale`` raises here), or None where it would not take the call. ``scales``: an int8
+    cache's ``(k_scale, v_scale)`` of the layer, (B, Hkv, max_len) each."""
     k, v = _block_stand_ins(kv_blocks, n_k)
     kv_scales = None if scales is None else tuple(x[:, :, :n_k] for x in scales)
     args = _plain_decode_args(q, k, v, causal, scale, kv_blocks, kv_scales)

@@ -71,16 +71,23 @@ def quantize_int8(x, *, name="x"):
         raise TypeError(f"{name}: expected a float array, got {x.dtype}")
     if x.ndim == 0:
         raise ValueError(f"{name}: expected at least one axis (the head dim), got a scalar")
-    x32 = x.astype(np.float32, copy=False)
     d = x.shape[-1]
     x8 = np.empty(x.shape, np.int8)
-    scale = np.empty(x.shape[:-1], np.float32)
-    rows = x32.reshape(-1, d) if d else None  # (no rows to reshape by where D = 0)
-    if rows is None:
-        scale[...] = 0.0
-    elif rows.shape[0] and not quantize_rows(rows, x8.reshape(-1, d), scale.reshape(-1)):
+    scale = np.zeros(x.shape[:-1], np.float32)  # stays 0 where D = 0
+    if x.size and not quantize_rows(x.astype(np.float32, copy=False).reshape(-1, d),
+                                    x8.reshape(-1, d), scale.reshape(-1)):
         raise ValueError(f"{name}: int8 quantization needs finite values, got NaN or Inf")
     return x8, scale
+
+
+def _on_a_line(x):
+    """``x``, or a copy of it starting on a cache line where it does not (an unpickled or
+    deep-copied storage starts where numpy put it)."""
+    if aligned(x):
+        return x
+    y = on_line(x.shape, x.dtype)
+    y[...] = x
+    return y
 
 
 def _count(name, x, minimum=1):
@@ -219,35 +226,46 @@ class KVCache:
         caches are read with float32 ``q``; with a float32/float64 cache, ``q`` has the
         cache's dtype.
 
-        A decode step with no option but ``causal`` and ``scale`` is checked in full once per
-        layer and kind of query (shape, dtype, ``causal``, ``scale``); the steps after it run
-        from that step's kernel arguments (``decode.StepPlan``): the same bits, without the
-        checks' Python."""
+        A decode step with no option but ``causal`` and ``scale`` makes a step plan the first
+        time its layer and kind of query (shape, dtype, ``causal``, ``scale``) comes: the
+        plain decode path's checks (``api.step_plan``) build the kernel's arguments once, and
+        every step of that kind runs from them (``decode.StepPlan``): the same kernel and
+        bits, without the checks' Python. Calls that path does not take meet the general
+        checks, as before."""
         key = _step_key(layer, q, options)
         plan = self._plans.get(key) if key is not None else False  # None: a new kind of call
+        if plan is None:
+            plan = self._new_plan(key, q)
         if plan:
             n = int(self.lengths[layer])
             if 0 < n <= self.max_len:
                 return plan.run(q, n)
         layer = self._layer(layer)
         n = self._length(layer)
-        scales = None
         if self.k_scale is not None:
             for name in ("k_scale", "v_scale"):
                 if name in options:
                     raise TypeError(f"{name}: the cache's own; not an option here")
-            scales = (self.k_scale[layer], self.v_scale[layer])
-            options = {"k_scale": scales[0][:, :, :n], "v_scale": scales[1][:, :, :n],
-                       **options}
-        out = attention_on_blocks(q, self._layers[layer], n, options)
-        if plan is None and n:  # it passed the checks: later calls like it skip them
-            if len(self._plans) >= MAX_PLANS:
-                self._plans.clear()
-            # False where the call is no plain decode step (Nq > 16, say): kept, so that such
-            # calls do not try again
-            self._plans[key] = step_plan(q, self._layers[layer], n, key[3], key[4],
-                                         scales) or False
-        return out
+            options = {"k_scale": self.k_scale[layer, :, :, :n],
+                       "v_scale": self.v_scale[layer, :, :, :n], **options}
+        return attention_on_blocks(q, self._layers[layer], n, options)
+
+    def _new_plan(self, key, q):
+        """The step plan for a kind of call not seen yet (``_step_key``), kept: made by the
+        plain decode path's own checks (``api.step_plan``), which raise what the general path
+        would (a NaN ``scale``), or False where that path does not take such calls (17 or more
+        queries, another dtype than the cache's: the general path decides, every time). None,
+        not kept, while the layer is empty: a plan is made with a length to check."""
+        layer = self._layer(key[0])
+        n = self._length(layer)
+        if not n:
+            return None
+        if len(self._plans) >= MAX_PLANS:
+            self._plans.clear()
+        scales = None if self.k_scale is None else (self.k_scale[layer], self.v_scale[layer])
+        plan = step_plan(q, self._layers[layer], n, key[3], key[4], scales) or False
+        self._plans[key] = plan
+        return plan
 
     def __getstate__(self):
         """For ``pickle`` and ``copy``: the storage, lengths and scales, not the views of the
@@ -260,11 +278,7 @@ class KVCache:
 
     def __setstate__(self, state):
         self.__dict__.update(state)
-        for name in ("k_blocks", "v_blocks"):  # a copy starts where numpy put it
-            x = getattr(self, name)
-            if not aligned(x):
-                setattr(self, name, on_line(x.shape, x.dtype))
-                getattr(self, name)[...] = x
+        self.k_blocks, self.v_blocks = (_on_a_line(x) for x in (self.k_blocks, self.v_blocks))
         self._layers = self._layer_blocks()
         self._plans = {}
 

@@ -41,6 +41,7 @@ from .masking import apply_user_mask, row_band
 from .scores import modify_row
 from .pack import ALIGN_BYTES, scratch
 from .tiles import online_softmax, rescale_add, tile_product, tile_product_ahead
+from ..masks import key_lengths
 
 LN2 = math.log(2.0)
 LOG2_E = 1.0 / LN2
@@ -767,18 +768,20 @@ def decode_args(q, k, v, scale, band, mods, user_mask, drop, out=None, kv_scales
 
 # The decode kernel's arguments by name: their places in ``decode_args``' list.
 ARG = {name: i for i, name in enumerate(inspect.signature(decode.py_func).parameters)}
-# Those that ``StepPlan.run`` makes anew for each step.
+# Those that ``StepPlan.run`` makes anew for each step, and their places.
 PER_STEP = ("q", "n_k", "n_splits", "kv_lens", "m_part", "l_part", "acc_part", "out", "lse",
             "serial_merge")
+PER_STEP_AT = tuple(ARG[name] for name in PER_STEP)
+K_SCALE_AT, V_SCALE_AT = ARG["k_scale_4"], ARG["v_scale_4"]
 
 
 class StepPlan:
     """Decode steps of one KVCache layer for queries of one shape and dtype, one ``causal``
     and one ``scale``: the kernel's argument list of one such step (``decode_args``), kept,
-    with what changes from step to step filled in anew by ``run``: the queries, the number of
-    keys (and with it the splits, ``kv_lens`` and an int8 cache's scales), the partial results
-    and the output. The same kernel on the same arguments as the step's own path: the same
-    bits.
+    with what changes from step to step made anew by ``run`` (``PER_STEP``: the queries, the
+    number of keys and what follows from it, the partial results and the output; and an int8
+    cache's scales over that length) the way ``decode_args`` makes it. The same kernel on
+    the same arguments as the plain path: the same bits.
 
     Why: a step from DRAM runs right after the previous layer's kernel has swept every cache,
     and there the Python of the plain decode path (``api._plain_decode``: checks, stand-ins,
@@ -789,7 +792,7 @@ class StepPlan:
     Hkv=12) 1.14-1.15x, from DRAM 1.02-1.03x; the planned step within 0.4 % of the kernel
     called alone."""
 
-    __slots__ = ("args", "n_b", "n_hkv", "shapes", "dtype", "scales", "kv_lens")
+    __slots__ = ("args", "n_b", "n_hkv", "shapes", "dtype", "scales")
 
     def __init__(self, args, scales=None):
         """``args``: a step's ``decode_args``; ``scales``: an int8 cache's ``(k_scale,
@@ -801,37 +804,27 @@ class StepPlan:
                        args[ARG["lse"]].shape)
         self.dtype = q.dtype
         self.args = list(args)
-        for name in PER_STEP + (("k_scale_4", "v_scale_4") if scales is not None else ()):
-            self.args[ARG[name]] = None  # not kept: the step's output, for one, is the caller's
+        for at in PER_STEP_AT + ((K_SCALE_AT, V_SCALE_AT) if scales is not None else ()):
+            self.args[at] = None  # not kept: the step's output, for one, is the caller's
         self.scales = scales
-        self.kv_lens = (0, None)  # (n_k, its kv_lens), replaced whole: threads may share a plan
 
     def run(self, q, n_k):
         """The step's output for ``q`` (of the plan's shape and dtype) over the layer's first
         ``n_k`` keys (``n_k >= 1``)."""
-        args = self.args.copy()
-        n_splits = split_count(self.n_b, self.n_hkv, n_k)
-        kv_lens = self.kv_lens
-        if kv_lens[0] != n_k:
-            kv_lens = (n_k, np.full(self.n_b, n_k, dtype=np.int64))
-            kv_lens[1].flags.writeable = False
-            self.kv_lens = kv_lens
         part_shape, acc_shape, out_shape, lse_shape = self.shapes
         dtype = self.dtype
+        n_splits = split_count(self.n_b, self.n_hkv, n_k)
         acc_part = np.empty((n_splits,) + acc_shape, dtype=dtype)
         out = np.empty(out_shape, dtype=dtype)
-        args[0] = q
-        args[ARG["n_k"]] = n_k
-        args[ARG["n_splits"]] = n_splits
-        args[ARG["kv_lens"]] = kv_lens[1]
-        args[ARG["m_part"]] = np.empty((n_splits,) + part_shape, dtype=dtype)
-        args[ARG["l_part"]] = np.empty((n_splits,) + part_shape, dtype=dtype)
-        args[ARG["acc_part"]] = acc_part
-        args[ARG["out"]] = out
-        args[ARG["lse"]] = np.empty(lse_shape, dtype=dtype)
-        args[ARG["serial_merge"]] = acc_part.size <= SERIAL_COMBINE
-        if self.scales is not None:  # the step's first n_k scales, as ``_scales_4d`` takes them
-            args[ARG["k_scale_4"]] = self.scales[0][:, :, :n_k, None]
-            args[ARG["v_scale_4"]] = self.scales[1][:, :, :n_k, None]
+        args = self.args.copy()
+        for at, value in zip(PER_STEP_AT, (
+                q, n_k, n_splits, key_lengths(None, self.n_b, n_k),
+                np.empty((n_splits,) + part_shape, dtype=dtype),
+                np.empty((n_splits,) + part_shape, dtype=dtype), acc_part, out,
+                np.empty(lse_shape, dtype=dtype), acc_part.size <= SERIAL_COMBINE)):
+            args[at] = value
+        if self.scales is not None:
+            args[K_SCALE_AT] = _scales_4d(self.scales[0][:, :, :n_k])[0]
+            args[V_SCALE_AT] = _scales_4d(self.scales[1][:, :, :n_k])[0]
         decode(*args)
         return out
