@@ -1,4 +1,6 @@
 """The forward kernel against the float64 reference: shapes, dtypes, causal, GQA, strides."""
+import re
+
 import numpy as np
 import pytest
 
@@ -242,3 +244,96 @@ def test_a_sharp_row_keeps_the_sum_of_many_tiny_tiles(kernels):
     want, want_lse = reference.attention(q8, k, v, scale=1.0, return_lse=True)
     assert 1.0 - want[0, 0, 0, 0] > 3e-7  # the tiny keys matter at float32 precision
     assert np.abs(out - want).max() <= 2.5e-7 and np.abs(lse - want_lse).max() <= 2.5e-7
+
+
+def _gqa(n_q):  # 4 query heads on 2 key/value heads
+    return rand((2, 4, n_q, 32), seed=4), rand((2, 2, 50, 32), seed=5), rand((2, 2, 50, 32), seed=6)
+
+
+def _strided(n_q):  # q and k as transposed views, v a broadcast (read-only, stride 0) view
+    q = rand((2, 32, 4, n_q), seed=4).transpose(0, 2, 3, 1)
+    k = rand((50, 32, 2, 2), seed=5).transpose(2, 3, 0, 1)
+    v = np.broadcast_to(rand((1, 1, 50, 24), seed=6), (2, 2, 50, 24))
+    return q, k, v
+
+
+def _few_keys(n_q):  # Nk < Nq (causal: the first rows see no key), Dv != D
+    return rand((1, 3, n_q, 16), seed=4), rand((1, 3, 7, 16), seed=5), rand((1, 3, 7, 40), seed=6)
+
+
+@pytest.mark.parametrize("arrays", [_gqa, _strided, _few_keys])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("scale", [None, 0.3])
+def test_plain_forward_call_skips_the_general_checks(arrays, dtype, causal, scale, monkeypatch):
+    """A forward call with no option but causal and scale (more than ``MAX_NQ`` queries) goes
+    straight to ``run_forward`` (``api._plain_forward``), without the general checks, and gives
+    the general path's bits (asking for the lse takes that one) and the reference's values."""
+    from cpuflash import api
+    from cpuflash._cpu.decode import MAX_NQ
+    q, k, v = (x.astype(dtype) if x.dtype != dtype else x for x in arrays(MAX_NQ + 1))
+    general, _ = cpuflash.attention(q, k, v, causal=causal, scale=scale, return_lse=True)
+
+    def no_general_path(*args, **kwargs):
+        raise AssertionError("the plain forward call took the general path")
+
+    monkeypatch.setattr(api, "_prepare", no_general_path)
+    plain = cpuflash.attention(q, k, v, causal=causal, scale=scale)
+    assert plain.dtype == dtype and plain.shape == q.shape[:3] + v.shape[3:]
+    np.testing.assert_array_equal(plain, general)
+    ref = reference.attention(q, k, v, causal=causal, scale=scale)
+    assert_close_to_reference(plain, ref, q, k, v, causal, scale)
+
+
+def _halve_q_heads(a):  # Hq % Hkv != 0
+    a["q"] = a["q"][:, :3]
+
+
+def _narrow_k(a):  # head dims differ
+    a["k"] = a["k"][..., :16]
+
+
+def _v_float64(a):
+    a["v"] = a["v"].astype(np.float64)
+
+
+def _all_float16(a):  # valid, but not the plain path's: computed in float32
+    a.update((name, x.astype(np.float16)) for name, x in a.items())
+
+
+@pytest.mark.parametrize("edit, options, error, message", [
+    (_halve_q_heads, {}, ValueError, "k: query heads"),
+    (_narrow_k, {}, ValueError, "k: expected head dim"),
+    (_v_float64, {}, TypeError, "k, v: expected one dtype"),
+    (None, dict(scale=float("nan")), ValueError, "scale:"),
+    (None, dict(scale=0.0), ValueError, "scale:"),
+    (None, dict(causal=1), TypeError, "causal:"),
+    (None, dict(causal=np.bool_(True)), None, None),
+    (None, dict(scale=np.float32(0.3)), None, None),
+    (None, dict(scale=1), None, None),
+    (_all_float16, {}, None, None),
+])
+def test_plain_forward_call_leaves_the_rest_to_the_checks(edit, options, error, message,
+                                                           monkeypatch):
+    """What the plain forward path does not take goes to the general checks: bad input raises
+    there, naming the argument; valid calls of other kinds (numpy scalars, an int scale,
+    float16) are computed there."""
+    from cpuflash import api
+    args = dict(q=rand((1, 4, 20, 32), seed=7), k=rand((1, 2, 64, 32), seed=8),
+                v=rand((1, 2, 64, 32), seed=9))
+    if edit is not None:
+        edit(args)
+    if error is not None:
+        with pytest.raises(error, match=re.escape(message)):
+            cpuflash.attention(args["q"], args["k"], args["v"], **options)
+        return
+    checked = []
+    real = api._prepare
+    monkeypatch.setattr(api, "_prepare", lambda *a, **kw: checked.append(1) or real(*a, **kw))
+    out = cpuflash.attention(args["q"], args["k"], args["v"], **options)
+    assert checked, "the call skipped the general checks"
+    assert out.dtype == args["q"].dtype
+    causal, scale = bool(options.get("causal", False)), options.get("scale")
+    q, k, v = args["q"], args["k"], args["v"]
+    ref = reference.attention(q, k, v, causal=causal, scale=scale)
+    assert_close_to_reference(out, ref, q, k, v, causal, scale)

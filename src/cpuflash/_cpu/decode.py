@@ -723,12 +723,12 @@ def decode_args(q, k, v, scale, band, mods, user_mask, drop, out=None, kv_scales
 
     This Python runs right after the previous step's kernel has streamed K/V through the
     caches, where each numpy call costs several microseconds: it stays short."""
-    left, right, kv_lens = band
-    softcap2, slopes2 = mods[0] * LOG2_E, mods[1] * LOG2_E
     n_b, n_hq, n_q, d = q.shape
     n_hkv, n_k, dv = v.shape[1], v.shape[2], v.shape[3]
     if n_q > MAX_NQ or n_k == 0 or q.size == 0 or v.size == 0:
         return None
+    left, right, kv_lens = band
+    softcap2, slopes2 = mods[0] * LOG2_E, mods[1] * LOG2_E
     if kv_blocks is not None:
         if kv_blocks.layout is None:
             return None
