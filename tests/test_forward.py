@@ -266,13 +266,15 @@ def _few_keys(n_q):  # Nk < Nq (causal: the first rows see no key), Dv != D
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("scale", [None, 0.3])
 def test_plain_forward_call_skips_the_general_checks(arrays, dtype, causal, scale, monkeypatch):
-    """A forward call with no option but causal and scale (more than ``MAX_NQ`` queries) goes
-    straight to ``run_forward`` (``api._plain_forward``), without the general checks, and gives
-    the general path's bits (asking for the lse takes that one) and the reference's values."""
+    """A forward call with no option but causal, scale and return_lse (more than ``MAX_NQ``
+    queries) goes straight to ``run_forward`` (``api._plain_forward``), without the general
+    checks, and gives the general path's bits (``api._attention``) and the reference's
+    values."""
     from cpuflash import api
     from cpuflash._cpu.decode import MAX_NQ
     q, k, v = (x.astype(dtype) if x.dtype != dtype else x for x in arrays(MAX_NQ + 1))
-    general, _ = cpuflash.attention(q, k, v, causal=causal, scale=scale, return_lse=True)
+    general, general_lse = api._attention(q, k, v, None, causal=causal, scale=scale,
+                                          return_lse=True)
 
     def no_general_path(*args, **kwargs):
         raise AssertionError("the plain forward call took the general path")
@@ -281,8 +283,15 @@ def test_plain_forward_call_skips_the_general_checks(arrays, dtype, causal, scal
     plain = cpuflash.attention(q, k, v, causal=causal, scale=scale)
     assert plain.dtype == dtype and plain.shape == q.shape[:3] + v.shape[3:]
     np.testing.assert_array_equal(plain, general)
-    ref = reference.attention(q, k, v, causal=causal, scale=scale)
+    plain_too, lse = cpuflash.attention(q, k, v, causal=causal, scale=scale, return_lse=True)
+    np.testing.assert_array_equal(plain_too, general)
+    assert lse.dtype == general_lse.dtype and lse.shape == q.shape[:3]
+    np.testing.assert_array_equal(lse, general_lse)
+    ref, ref_lse = reference.attention(q, k, v, causal=causal, scale=scale, return_lse=True)
     assert_close_to_reference(plain, ref, q, k, v, causal, scale)
+    seen = np.isfinite(ref_lse)
+    assert np.array_equal(np.isfinite(lse), seen)
+    np.testing.assert_allclose(lse[seen], ref_lse[seen], rtol=1e-5, atol=1e-5)
 
 
 def _halve_q_heads(a):  # Hq % Hkv != 0
@@ -308,6 +317,7 @@ def _all_float16(a):  # valid, but not the plain path's: computed in float32
     (None, dict(scale=float("nan")), ValueError, "scale:"),
     (None, dict(scale=0.0), ValueError, "scale:"),
     (None, dict(causal=1), TypeError, "causal:"),
+    (None, dict(return_lse=1), TypeError, "return_lse:"),
     (None, dict(causal=np.bool_(True)), None, None),
     (None, dict(scale=np.float32(0.3)), None, None),
     (None, dict(scale=1), None, None),
