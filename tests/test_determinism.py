@@ -21,13 +21,15 @@ def test_bitwise_identical_for_one_and_two_threads(kernels, causal):
         assert np.array_equal(out, results[0][0]) and np.array_equal(lse, results[0][1])
 
 
-def test_dynamic_schedule_keeps_the_bits_and_the_callers_chunk_size(monkeypatch):
-    """The forward and backward kernels hand out their tasks one at a time
-    (``tasks.run_dynamic``): the same bits as the static split into one range per thread, and
-    the caller's own Numba chunk size is back in place after each call."""
+@pytest.mark.parametrize("workers", [1, 3, 7])
+def test_shared_tasks_keep_the_bits_and_the_callers_chunk_size(workers, monkeypatch):
+    """The forward and backward kernels' workers share the tasks out (``tasks.next_task``):
+    with 1 worker, or with more workers than threads (some threads then run several, and the
+    first of them takes over the others' tasks), the bits are those of one worker a thread;
+    and the caller's own Numba chunk size is back in place after each call."""
     import numba
     from cpuflash._cpu import backward, forward
-    q, k, v, dout = rands((1, 4, 150, 32), (1, 2, 200, 32), (1, 2, 200, 32), (1, 4, 150, 32))
+    q, k, v, dout = rands((2, 4, 150, 32), (2, 2, 200, 32), (2, 2, 200, 32), (2, 4, 150, 32))
 
     def both():
         out, lse = cpuflash.attention(q, k, v, causal=True, return_lse=True)
@@ -35,15 +37,14 @@ def test_dynamic_schedule_keeps_the_bits_and_the_callers_chunk_size(monkeypatch)
 
     old = numba.set_parallel_chunksize(7)
     try:
-        dynamic = both()
+        shared = both()
         assert numba.get_parallel_chunksize() == 7
-        for module in (forward, backward):
-            monkeypatch.setattr(module, "run_dynamic", lambda kernel, *args: kernel(*args))
-        numba.set_parallel_chunksize(0)
-        static = both()
     finally:
         numba.set_parallel_chunksize(old)
-    for a, b in zip(dynamic, static):
+    for module in (forward, backward):
+        monkeypatch.setattr(module, "run_shared",
+                            lambda kernel, *args: kernel(*args, workers))
+    for a, b in zip(shared, both()):
         assert np.array_equal(a, b)
 
 

@@ -84,8 +84,8 @@ def test_varlen_forward_is_one_kernel_call_over_every_sequence(dtype, kernels, m
     q, k, v = (x.astype(dtype) for x in (q, k, v))
     from cpuflash._cpu import forward
     calls = []
-    real = forward.run_dynamic
-    monkeypatch.setattr(forward, "run_dynamic", lambda *a: calls.append(a[0]) or real(*a))
+    real = forward.run_shared
+    monkeypatch.setattr(forward, "run_shared", lambda *a: calls.append(a[0]) or real(*a))
     out, lse = cpuflash.attention_varlen(q, k, v, cu_q, cu_k, causal=True, return_lse=True,
                                          alibi_slopes=np.linspace(0.1, 0.6, 6))
     assert len(calls) == 1 and out.dtype == dtype and lse.shape == (6, sum(lens_q))

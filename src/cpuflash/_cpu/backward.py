@@ -1,4 +1,4 @@
-"""Backward pass by recomputation: prange over (batch*kv-head, key chunk); no atomics.
+"""Backward pass by recomputation: tasks over (batch*kv-head, key chunk); no atomic sums.
 
 Saved from the forward pass: ``out`` and ``lse`` only. With ``delta_i = rowsum(dO_i * O_i)``,
 for each key tile of a task's chunk, and each query block of each query head of its GQA group:
@@ -25,7 +25,7 @@ from numba import prange
 from .. import config
 from . import simd
 from ._jit import kernel, portable_twin
-from .tasks import run_dynamic, unravel
+from .tasks import new_claims, next_task, run_shared, unravel
 from .masking import (HIDDEN, MIXED, apply_user_mask, mask_tile, tile_key_range,
                       tile_needs_mask)
 from .dropout import dropout_row
@@ -42,7 +42,8 @@ TASKS_WANTED = 4  # key chunks per (batch, kv head) are added until there are th
 @kernel(strided=("mask_bools", "mask_adds", "tile_state"), read_only=("kv_lens", "slopes"))
 def backward(qp, dout, lse_p, delta, kt, vtt, kn, block_q, d_pad, dv_pad,
              left, right, kv_lens, softcap, slopes, mask_bools, mask_adds, mask_is_bool,
-             tile_state, drop_below, inv_keep, seed, chunk_starts, dq_part, dk, dv, scale, dq):
+             tile_state, drop_below, inv_keep, seed, chunk_starts, dq_part, dk, dv, scale, dq,
+             n_threads):
     """qp: (B, Hq, n_qb * block_q, d_pad) Q times ``scale``, zero-padded, contiguous.
     dout: (B, Hq, Nq, Dv), contiguous. left, right, kv_lens: the band (masking.py).
     softcap, slopes (B, Hq): score modifiers, 0 for off (scores.py).
@@ -58,6 +59,7 @@ def backward(qp, dout, lse_p, delta, kt, vtt, kn, block_q, d_pad, dv_pad,
     dk: (B, Hkv, Nk, D), dv: (B, Hkv, Nk, Dv), contiguous: written, in units of the result.
     dq: (B, Hq, Nq, D), written here as ``scale * dq_part`` when there is one chunk (each task
     then holds its heads' whole dQ), else left to ``finish_dq``.
+    n_threads: the workers that share the tasks out (``tasks.next_task``), one a thread.
     """
     n_b, n_hq, n_q, n_dv = dout.shape
     d = dk.shape[3]
@@ -82,139 +84,146 @@ def backward(qp, dout, lse_p, delta, kt, vtt, kn, block_q, d_pad, dv_pad,
     ld_s = block_k + simd.lanes_of(dk)  # score rows a vector longer: see forward.py
     n_k_all = mask_bools.shape[3]
     n_k_arr = dk.shape[2]
-    for task in prange(n_b * n_hkv * n_chunks):
-        b, hk, chunk = unravel(task, n_hkv, n_chunks)
-        n_k = kv_lens[b]
-        part_rows = group * rows_padded * d_pad  # this task's dQ partial: its heads' rows
-        part0 = ((chunk * n_b + b) * n_hq + hk * group) * rows_padded * d_pad
-        dq_flat[part0:part0 + part_rows] = 0.0
-        do_s = scratch(block_q * dv_pad, dk)  # dO block, when copied
-        do_s[:] = 0.0
-        s = scratch(block_q * ld_s, dk)  # S, then P
-        ds = scratch(block_q * ld_s, dk)  # dP, then dS
-        t_cap = scratch(block_q * ld_s if softcap != 0.0 else 0, dk)  # tanh
-        t_cap[:] = 0.0
-        dk_acc = scratch(block_k * d_pad, dk)
-        dv_acc = scratch(block_k * dv_pad, dk)
-        dk_comp = scratch(block_k * d_pad, dk)  # Kahan compensation terms
-        dv_comp = scratch(block_k * dv_pad, dk)
-        # The portable kernels form each product here before adding it (the SIMD ones finish
-        # each product in registers: see tiles._product_with_epilogue).
-        n_part = 1 if PORTABLE else 0
-        dk_part = scratch(n_part * block_k * d_pad, dk)
-        dv_part = scratch(n_part * block_k * dv_pad, dk)
-        dq_tile = scratch(n_part * block_q * d_pad, dk)
-        dp_tile = scratch(n_part * block_q * block_k, dk)  # S, dP
-        lse_r = np.empty(block_q, dtype=dk.dtype)
-        delta_r = np.empty(block_q, dtype=dk.dtype)
-        max_unused = np.empty(block_q, dtype=dk.dtype)  # row maxima of the masking pass
-        for kb in range(chunk_starts[chunk], chunk_starts[chunk + 1]):
-            k0 = kb * block_k
-            n_valid = min(block_k, n_k - k0)  # keys past kv_len: gradient 0, V never read
-            for j in range(max(n_valid, 0), min(block_k, n_k_arr - k0)):
-                dk[b, hk, k0 + j, :] = 0.0
-                dv[b, hk, k0 + j, :] = 0.0
-            if n_valid <= 0:
-                continue
-            tile = (b * n_hkv + hk) * n_kb + kb
-            dk_acc[:] = 0.0
-            dv_acc[:] = 0.0
-            dk_comp[:] = 0.0
-            dv_comp[:] = 0.0
-            for h in range(hk * group, (hk + 1) * group):
-                for qb in range(n_qb):
-                    q0 = qb * block_q
-                    rows = min(block_q, n_q - q0)
-                    kb_lo, kb_hi = tile_key_range(q0, q0 + rows, n_q, n_k, block_k, left, right)
-                    state = tile_state[b, h, qb, kb]
-                    if kb < kb_lo or kb >= kb_hi or state == HIDDEN:
-                        continue  # the block sees no key of this tile
-                    row0 = (b * n_hq + h) * n_q + q0
-                    for r in range(block_q):
-                        if r < rows:
-                            lse_r[r] = lse_p[b, h, q0 + r]
-                            delta_r[r] = delta[b, h, q0 + r]
-                        else:  # padding rows: P = 0 and dO = 0, so they add nothing
-                            lse_r[r] = np.inf
-                            delta_r[r] = 0.0
-                    qa, qa_off = qp_flat, ((b * n_hq + h) * rows_q + q0) * d_pad
-                    if direct and rows == block_q:
-                        doa, doa_off = do_flat, row0 * n_dv
-                    else:
-                        do_s[:] = 0.0
-                        for r in range(rows):
-                            for c in range(n_dv):
-                                do_s[r * dv_pad + c] = dout[b, h, q0 + r, c]
-                        doa, doa_off = do_s, 0
-                    # The same product, on the same packed operands, as the forward pass: P
-                    # comes out as the forward's probabilities, consistent with its lse
-                    # (measured: scaling S here instead doubles the dQ error).
-                    tile_product_store(s, 0, ld_s, qa, qa_off, d_pad, 1, kt_flat,
-                                       tile * d * block_k, 0, d, block_q, block_k, d, s, 0, s, 0,
-                                       dp_tile, PORTABLE)
-                    if modify:
-                        for r in range(rows):
-                            modify_row(s, r * ld_s, block_k, q0 + r + n_k - n_q, k0,
-                                       softcap, slopes[b, h], t_cap, PORTABLE)
-                    if state == MIXED:
-                        apply_user_mask(s, 0, ld_s, rows, mask_bools, mask_adds, mask_is_bool,
-                                        b, h, q0, k0, min(block_k, n_k_all - k0), 1.0,
-                                        max_unused)
-                    if tile_needs_mask(q0, q0 + rows, k0, block_k, n_q, n_k, left, right):
-                        mask_tile(s, ld_s, rows, q0, k0, block_k, n_q, n_k, left, right,
-                                  -np.inf)
-                    for r in range(block_q):
-                        exp_shifted(s, r * ld_s, block_k, lse_r[r], PORTABLE)
-                    # Padding rows: P = 0 exactly, even where a NaN key made their score NaN.
-                    s[rows * ld_s:] = 0.0
-                    # dP = dO V^T, then dS = P * (dP - delta) (dropout first drops dP's keys)
-                    if drop_below > 0:
-                        tile_product_store(ds, 0, ld_s, doa, doa_off, dv_pad, 1, vtt_flat,
-                                           tile * n_dv * block_k, 0, n_dv, block_q, block_k,
-                                           n_dv, ds, 0, ds, 0, dp_tile, PORTABLE)
-                        for r in range(rows):
-                            dropout_row(ds, r * ld_s, block_k, seed,
-                                        (b * n_hq + h) * n_q + q0 + r, k0, drop_below, inv_keep)
+    n_tasks = n_b * n_hkv * n_chunks
+    n_workers = min(n_threads, n_tasks)
+    claims = new_claims(n_workers)
+    for worker in prange(n_workers):  # one a thread: they share the tasks out (tasks.py)
+        for _ in range(n_tasks):
+            task = next_task(claims, worker, n_workers, n_tasks)
+            if task < 0:
+                break
+            b, hk, chunk = unravel(task, n_hkv, n_chunks)
+            n_k = kv_lens[b]
+            part_rows = group * rows_padded * d_pad  # this task's dQ partial: its heads' rows
+            part0 = ((chunk * n_b + b) * n_hq + hk * group) * rows_padded * d_pad
+            dq_flat[part0:part0 + part_rows] = 0.0
+            do_s = scratch(block_q * dv_pad, dk)  # dO block, when copied
+            do_s[:] = 0.0
+            s = scratch(block_q * ld_s, dk)  # S, then P
+            ds = scratch(block_q * ld_s, dk)  # dP, then dS
+            t_cap = scratch(block_q * ld_s if softcap != 0.0 else 0, dk)  # tanh
+            t_cap[:] = 0.0
+            dk_acc = scratch(block_k * d_pad, dk)
+            dv_acc = scratch(block_k * dv_pad, dk)
+            dk_comp = scratch(block_k * d_pad, dk)  # Kahan compensation terms
+            dv_comp = scratch(block_k * dv_pad, dk)
+            # The portable kernels form each product here before adding it (the SIMD ones finish
+            # each product in registers: see tiles._product_with_epilogue).
+            n_part = 1 if PORTABLE else 0
+            dk_part = scratch(n_part * block_k * d_pad, dk)
+            dv_part = scratch(n_part * block_k * dv_pad, dk)
+            dq_tile = scratch(n_part * block_q * d_pad, dk)
+            dp_tile = scratch(n_part * block_q * block_k, dk)  # S, dP
+            lse_r = np.empty(block_q, dtype=dk.dtype)
+            delta_r = np.empty(block_q, dtype=dk.dtype)
+            max_unused = np.empty(block_q, dtype=dk.dtype)  # row maxima of the masking pass
+            for kb in range(chunk_starts[chunk], chunk_starts[chunk + 1]):
+                k0 = kb * block_k
+                n_valid = min(block_k, n_k - k0)  # keys past kv_len: gradient 0, V never read
+                for j in range(max(n_valid, 0), min(block_k, n_k_arr - k0)):
+                    dk[b, hk, k0 + j, :] = 0.0
+                    dv[b, hk, k0 + j, :] = 0.0
+                if n_valid <= 0:
+                    continue
+                tile = (b * n_hkv + hk) * n_kb + kb
+                dk_acc[:] = 0.0
+                dv_acc[:] = 0.0
+                dk_comp[:] = 0.0
+                dv_comp[:] = 0.0
+                for h in range(hk * group, (hk + 1) * group):
+                    for qb in range(n_qb):
+                        q0 = qb * block_q
+                        rows = min(block_q, n_q - q0)
+                        kb_lo, kb_hi = tile_key_range(q0, q0 + rows, n_q, n_k, block_k, left, right)
+                        state = tile_state[b, h, qb, kb]
+                        if kb < kb_lo or kb >= kb_hi or state == HIDDEN:
+                            continue  # the block sees no key of this tile
+                        row0 = (b * n_hq + h) * n_q + q0
                         for r in range(block_q):
-                            softmax_grad_row(s, ds, r * ld_s, block_k, delta_r[r], PORTABLE)
-                    else:
-                        tile_product_softmax_grad(ds, 0, ld_s, doa, doa_off, dv_pad, 1, vtt_flat,
-                                                  tile * n_dv * block_k, 0, n_dv, block_q,
-                                                  block_k, n_dv, s, 0, delta_r, 0, dp_tile,
-                                                  PORTABLE)
-                    if drop_below > 0:  # dV takes the dropped P
-                        for r in range(rows):
-                            dropout_row(s, r * ld_s, block_k, seed,
-                                        (b * n_hq + h) * n_q + q0 + r, k0, drop_below, inv_keep)
-                    if softcap != 0.0:  # back through the tanh to the raw scores
-                        for r in range(rows):
-                            tanh_grad_row(ds, t_cap, r * ld_s, block_k, PORTABLE)
-                    # dV += P^T dO and dK += dS^T Q: P and dS read transposed (row stride 1).
-                    # Each block's products are formed on their own, then added with compensation:
-                    # one long running sum over every query row rounds more (measured at N=8192,
-                    # causal: dV error 2.0e-6 that way; 2.2e-6 summing 4 blocks before each
-                    # compensated add; 1.2e-6 this way; torch 1.3e-6).
-                    tile_product_kahan(dv_acc, 0, dv_pad, s, 0, 1, ld_s, doa, doa_off, dv_pad,
-                                       1, block_k, dv_pad, block_q, dv_comp, 0, dv_comp, 0,
-                                       dv_part, PORTABLE)
-                    tile_product_kahan(dk_acc, 0, d_pad, ds, 0, 1, ld_s, qa, qa_off, d_pad, 1,
-                                       block_k, d_pad, block_q, dk_comp, 0, dk_comp, 0, dk_part,
-                                       PORTABLE)
-                    dq_off = (((chunk * n_b + b) * n_hq + h) * rows_padded + q0) * d_pad
-                    tile_product_add(dq_flat, dq_off, d_pad, ds, 0, ld_s, 1, kn_flat,
-                                     tile * block_k * d_pad, 0, block_k, block_q, d_pad, n_valid,
-                                     dq_flat, 0, dq_flat, 0, dq_tile, PORTABLE)
-            for j in range(n_valid):
-                for dd in range(d):
-                    dk[b, hk, k0 + j, dd] = dk_acc[j * d_pad + dd]
-                for c in range(n_dv):
-                    dv[b, hk, k0 + j, c] = dv_acc[j * dv_pad + c]
-        if n_chunks == 1:  # as finish_dq does, without its own pass and parallel region
-            for h in range(hk * group, (hk + 1) * group):
-                for i in range(n_q):
-                    row = ((b * n_hq + h) * rows_padded + i) * d_pad
+                            if r < rows:
+                                lse_r[r] = lse_p[b, h, q0 + r]
+                                delta_r[r] = delta[b, h, q0 + r]
+                            else:  # padding rows: P = 0 and dO = 0, so they add nothing
+                                lse_r[r] = np.inf
+                                delta_r[r] = 0.0
+                        qa, qa_off = qp_flat, ((b * n_hq + h) * rows_q + q0) * d_pad
+                        if direct and rows == block_q:
+                            doa, doa_off = do_flat, row0 * n_dv
+                        else:
+                            do_s[:] = 0.0
+                            for r in range(rows):
+                                for c in range(n_dv):
+                                    do_s[r * dv_pad + c] = dout[b, h, q0 + r, c]
+                            doa, doa_off = do_s, 0
+                        # The same product, on the same packed operands, as the forward pass: P
+                        # comes out as the forward's probabilities, consistent with its lse
+                        # (measured: scaling S here instead doubles the dQ error).
+                        tile_product_store(s, 0, ld_s, qa, qa_off, d_pad, 1, kt_flat,
+                                           tile * d * block_k, 0, d, block_q, block_k, d, s, 0, s, 0,
+                                           dp_tile, PORTABLE)
+                        if modify:
+                            for r in range(rows):
+                                modify_row(s, r * ld_s, block_k, q0 + r + n_k - n_q, k0,
+                                           softcap, slopes[b, h], t_cap, PORTABLE)
+                        if state == MIXED:
+                            apply_user_mask(s, 0, ld_s, rows, mask_bools, mask_adds, mask_is_bool,
+                                            b, h, q0, k0, min(block_k, n_k_all - k0), 1.0,
+                                            max_unused)
+                        if tile_needs_mask(q0, q0 + rows, k0, block_k, n_q, n_k, left, right):
+                            mask_tile(s, ld_s, rows, q0, k0, block_k, n_q, n_k, left, right,
+                                      -np.inf)
+                        for r in range(block_q):
+                            exp_shifted(s, r * ld_s, block_k, lse_r[r], PORTABLE)
+                        # Padding rows: P = 0 exactly, even where a NaN key made their score NaN.
+                        s[rows * ld_s:] = 0.0
+                        # dP = dO V^T, then dS = P * (dP - delta) (dropout first drops dP's keys)
+                        if drop_below > 0:
+                            tile_product_store(ds, 0, ld_s, doa, doa_off, dv_pad, 1, vtt_flat,
+                                               tile * n_dv * block_k, 0, n_dv, block_q, block_k,
+                                               n_dv, ds, 0, ds, 0, dp_tile, PORTABLE)
+                            for r in range(rows):
+                                dropout_row(ds, r * ld_s, block_k, seed,
+                                            (b * n_hq + h) * n_q + q0 + r, k0, drop_below, inv_keep)
+                            for r in range(block_q):
+                                softmax_grad_row(s, ds, r * ld_s, block_k, delta_r[r], PORTABLE)
+                        else:
+                            tile_product_softmax_grad(ds, 0, ld_s, doa, doa_off, dv_pad, 1, vtt_flat,
+                                                      tile * n_dv * block_k, 0, n_dv, block_q,
+                                                      block_k, n_dv, s, 0, delta_r, 0, dp_tile,
+                                                      PORTABLE)
+                        if drop_below > 0:  # dV takes the dropped P
+                            for r in range(rows):
+                                dropout_row(s, r * ld_s, block_k, seed,
+                                            (b * n_hq + h) * n_q + q0 + r, k0, drop_below, inv_keep)
+                        if softcap != 0.0:  # back through the tanh to the raw scores
+                            for r in range(rows):
+                                tanh_grad_row(ds, t_cap, r * ld_s, block_k, PORTABLE)
+                        # dV += P^T dO and dK += dS^T Q: P and dS read transposed (row stride 1).
+                        # Each block's products are formed on their own, then added with compensation:
+                        # one long running sum over every query row rounds more (measured at N=8192,
+                        # causal: dV error 2.0e-6 that way; 2.2e-6 summing 4 blocks before each
+                        # compensated add; 1.2e-6 this way; torch 1.3e-6).
+                        tile_product_kahan(dv_acc, 0, dv_pad, s, 0, 1, ld_s, doa, doa_off, dv_pad,
+                                           1, block_k, dv_pad, block_q, dv_comp, 0, dv_comp, 0,
+                                           dv_part, PORTABLE)
+                        tile_product_kahan(dk_acc, 0, d_pad, ds, 0, 1, ld_s, qa, qa_off, d_pad, 1,
+                                           block_k, d_pad, block_q, dk_comp, 0, dk_comp, 0, dk_part,
+                                           PORTABLE)
+                        dq_off = (((chunk * n_b + b) * n_hq + h) * rows_padded + q0) * d_pad
+                        tile_product_add(dq_flat, dq_off, d_pad, ds, 0, ld_s, 1, kn_flat,
+                                         tile * block_k * d_pad, 0, block_k, block_q, d_pad, n_valid,
+                                         dq_flat, 0, dq_flat, 0, dq_tile, PORTABLE)
+                for j in range(n_valid):
                     for dd in range(d):
-                        dq[b, h, i, dd] = dq_flat[row + dd] * scale
+                        dk[b, hk, k0 + j, dd] = dk_acc[j * d_pad + dd]
+                    for c in range(n_dv):
+                        dv[b, hk, k0 + j, c] = dv_acc[j * dv_pad + c]
+            if n_chunks == 1:  # as finish_dq does, without its own pass and parallel region
+                for h in range(hk * group, (hk + 1) * group):
+                    for i in range(n_q):
+                        row = ((b * n_hq + h) * rows_padded + i) * d_pad
+                        for dd in range(d):
+                            dq[b, h, i, dd] = dq_flat[row + dd] * scale
 
 
 backward_portable = portable_twin(backward)
@@ -359,7 +368,7 @@ def run_backward(dout, q, k, v, out, lse, scale, band, mods, user_mask, drop, po
     delta = np.empty(lse.shape, dtype=dtype)
     row_terms(dout, out, lse, q, scale, lse_p, delta, qp)
     dout = np.ascontiguousarray(dout)  # the kernel reads it flat (do_flat)
-    run_dynamic(backward_portable if portable else backward, qp, dout, lse_p, delta, kt,
+    run_shared(backward_portable if portable else backward, qp, dout, lse_p, delta, kt,
                 vtt, kn, block_q, d_pad, dv_pad, left, right, kv_lens, mods[0], mods[1],
                 *user_mask.kernel_args(), user_mask.tile_states(block_q, block_k), drop[0],
                 drop[2], drop[1], starts, dq_part, dk, dv, scale, dq)

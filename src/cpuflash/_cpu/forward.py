@@ -1,4 +1,4 @@
-"""Forward pass: prange over (batch*head, q-block); K/V streamed in packed tiles.
+"""Forward pass: tasks over (batch*head, q-block); K/V streamed in packed tiles.
 
 For one block of ``block_q`` query rows, with ``Q`` pre-multiplied by ``scale``:
 
@@ -38,7 +38,7 @@ from .. import config
 from . import sequences, simd
 from ._jit import helper, kernel, portable_twin
 from .sequences import BLOCK_Q, N_Q, N_QB, Q_BATCH, Q_ROW0, TASK0, TILE0, TILES, find_task
-from .tasks import run_dynamic
+from .tasks import new_claims, next_task, run_shared
 from .decode import arrays_of_blocks, run_decode
 from ..masks import UserMask
 from .pack import empty, packed_kv, packed_varlen, scratch
@@ -57,9 +57,9 @@ def balanced_order(j, n):
     """The j-th of n query blocks in the order 0, n-1, 1, n-2, ...: under causal masking a
     block's cost grows with its index; where Numba hands each thread a contiguous range of
     tasks, pairing cheap with dear blocks gives every thread the same work (measured at H=1,
-    N=8192, causal: 147 -> 218 GFLOP/s). The kernel now runs with tasks handed out one at a
-    time (``tasks.run_dynamic``), which balances by itself; the order keeps the dear blocks
-    from all coming last."""
+    N=8192, causal: 147 -> 218 GFLOP/s). Each thread's share of the tasks is still such a
+    contiguous range (``tasks.next_task``): its first and last tasks, the ones a faster thread
+    takes over, are then of every cost."""
     return j // 2 if j % 2 == 0 else n - 1 - j // 2
 
 
@@ -67,9 +67,10 @@ def balanced_order(j, n):
         read_only=("seqs", "kv_lens", "slopes", "seeds"))
 def forward(q, kt, vt, n_hkv, block_q, scale, left, right, seqs, kv_lens, softcap, slopes,
             mask_bools, mask_adds, mask_is_bool, tile_state, drop_below, inv_keep, seeds, out_flat,
-            out_layout, lse):
+            out_layout, lse, n_threads):
     """Attention forward on packed K/V, for the sequences of the table ``seqs``
-    (sequences.py): one task per (sequence, head, query block).
+    (sequences.py): one task per (sequence, head, query block), shared out by ``n_threads``
+    workers (``tasks.next_task``).
 
     q: (Bq, Hq, rows, D) any strides, float32/float64. kt, vt: (tiles, D * block_k) and
     (tiles, block_k * Dv_pad), laid out as ``pack.packed_kv`` makes them; n_hkv: key heads.
@@ -101,86 +102,92 @@ def forward(q, kt, vt, n_hkv, block_q, scale, left, right, seqs, kv_lens, softca
     no_t = np.empty(0, dtype=out_flat.dtype)
     n_k_all = mask_bools.shape[3]
     n_tasks = seqs[-1, TASK0] + n_hq * seqs[-1, N_QB] if seqs.shape[0] else 0
-    for task in prange(n_tasks):
-        b, h, qb = find_task(seqs, n_hq, task)
-        n_q, bq, n_qb = seqs[b, N_Q], seqs[b, BLOCK_Q], seqs[b, N_QB]
-        qb = balanced_order(qb, n_qb)
-        q_b, row0 = seqs[b, Q_BATCH], seqs[b, Q_ROW0]
-        tile0 = seqs[b, TILE0] + (h // group) * seqs[b, TILES]
-        n_k = kv_lens[b]
-        q0 = qb * bq
-        rows = min(bq, n_q - q0)
-        out_row0 = q_b * out_layout[0] + h * out_layout[1] + (row0 + q0) * out_layout[2]
-        q_s = scratch(block_q * d, out_flat)   # Q block, scaled
-        q_s[:] = 0.0
-        s = scratch(block_q * ld_s, out_flat)  # scores, then probabilities
-        acc = scratch(block_q * dv_pad, out_flat)
-        acc[:] = 0.0
-        m_i = np.full(block_q, -np.inf, dtype=out_flat.dtype)
-        l_i = np.zeros(block_q, dtype=np.float64)  # see the sum over tiles below
-        l_tile_sums = np.empty(block_q, dtype=out_flat.dtype)
-        alpha_i = np.empty(block_q, dtype=out_flat.dtype)
-        tile_max = np.empty(block_q, dtype=out_flat.dtype)  # row maxima of a score tile
-        pv = np.empty(block_q * dv_pad if PORTABLE else 0, dtype=out_flat.dtype)  # portable
-        row_vmax = scratch(block_q * simd.lanes_of(out_flat), out_flat)
-        for r in range(rows):  # in float64, rounded once, as backward.row_terms
-            scale_row(q_s, r * d, q[q_b, h, row0 + q0 + r], d, scale, PORTABLE)
-        kb_lo, kb_hi = tile_key_range(q0, q0 + rows, n_q, n_k, block_k, left, right)
-        for kb in range(kb_lo, kb_hi):
-            state = tile_state[b, h, qb, kb]
-            if state == HIDDEN:
-                continue  # the caller's mask hides the whole tile
-            k0 = kb * block_k
-            k_off = (tile0 + kb) * tile_k
-            v_off = (tile0 + kb) * tile_v
-            tile_product_max(s, 0, ld_s, q_s, 0, d, 1, kt_flat, k_off, d, bq, block_k, d,
-                             row_vmax, tile_max, PORTABLE)
-            # The row maxima came with the product (a pass over S saved); the modifiers and
-            # masks below say whether they still hold.
-            max_given = not modify
-            if modify:
-                for r in range(rows):
-                    modify_row(s, r * ld_s, block_k, q0 + r + n_k - n_q, k0, softcap,
-                               slopes[b, h], no_t, PORTABLE)
-            if state == MIXED:
-                n_cols = min(block_k, n_k_all - k0)
-                apply_user_mask(s, 0, ld_s, rows, mask_bools, mask_adds, mask_is_bool, b, h,
-                                q0, k0, n_cols, 1.0, tile_max)
-                max_given = n_cols == block_k
-                if max_given:  # padding rows: their scores are 0 (Q zero-padded), or NaN
-                    for r in range(rows, bq):
-                        tile_max[r] = row_max(s, r * ld_s, block_k, PORTABLE)
-            if tile_needs_mask(q0, q0 + rows, k0, block_k, n_q, n_k, left, right):
-                mask_tile(s, ld_s, rows, q0, k0, block_k, n_q, n_k, left, right, -np.inf)
-                max_given = False
-            online_softmax(s, 0, ld_s, block_k, bq, m_i, l_tile_sums, alpha_i, tile_max,
-                           max_given, True, PORTABLE)
-            for r in range(bq):
-                # In float64: in a sharp row, the largest probability is 1 and each later
-                # tile adds less than half an ulp of 1; float32 lost every such tile's sum
-                # (peaked q = k = v, N=2048: up to 2.7 ulp of error in the output, where
-                # torch's 4 tiles of 512 keys lost less).
-                l_i[r] = alpha_i[r] * l_i[r] + l_tile_sums[r]
-            if drop_below > 0:  # after the sums: l normalizes the probabilities before dropout
-                for r in range(rows):
-                    dropout_row(s, r * ld_s, block_k, seeds[b], (q_b * n_hq + h) * n_q + q0 + r,
-                                k0, drop_below, inv_keep)
-            # This tile's P @ V on its own, then acc = alpha * acc + it: each tile's sum is short,
-            # which keeps float32 rounding lower than one long running sum over all keys.
-            n_valid = min(block_k, n_k - k0)  # keys past kv_len have P = 0: V rows never read
-            tile_product_rescale(acc, 0, dv_pad, s, 0, ld_s, 1, vt_flat, v_off, 0, block_k,
-                                 bq, dv_pad, n_valid, alpha_i, 0, alpha_i, 0, pv, PORTABLE)
-        for r in range(rows):
-            at = out_row0 + r * out_layout[2]
-            if l_i[r] == 0.0:  # the row sees no key: output 0, lse -inf
-                for c in range(dv):
-                    out_flat[at + c] = 0.0
-                lse[q_b, h, row0 + q0 + r] = -np.inf
-            else:  # a true division: one rounding, not two
-                # in float64: exactly m where l = 1 (a one-hot row)
-                lse[q_b, h, row0 + q0 + r] = m_i[r] + np.log(l_i[r])
-                l_tile_sums[r] = l_i[r]  # rounded to the compute dtype, as acc
-                divide_row(out_flat, at, acc, r * dv_pad, dv, l_tile_sums[r], PORTABLE)
+    n_workers = min(n_threads, n_tasks)
+    claims = new_claims(n_workers)
+    for worker in prange(n_workers):  # one a thread: they share the tasks out (tasks.py)
+        for _ in range(n_tasks):
+            task = next_task(claims, worker, n_workers, n_tasks)
+            if task < 0:
+                break
+            b, h, qb = find_task(seqs, n_hq, task)
+            n_q, bq, n_qb = seqs[b, N_Q], seqs[b, BLOCK_Q], seqs[b, N_QB]
+            qb = balanced_order(qb, n_qb)
+            q_b, row0 = seqs[b, Q_BATCH], seqs[b, Q_ROW0]
+            tile0 = seqs[b, TILE0] + (h // group) * seqs[b, TILES]
+            n_k = kv_lens[b]
+            q0 = qb * bq
+            rows = min(bq, n_q - q0)
+            out_row0 = q_b * out_layout[0] + h * out_layout[1] + (row0 + q0) * out_layout[2]
+            q_s = scratch(block_q * d, out_flat)   # Q block, scaled
+            q_s[:] = 0.0
+            s = scratch(block_q * ld_s, out_flat)  # scores, then probabilities
+            acc = scratch(block_q * dv_pad, out_flat)
+            acc[:] = 0.0
+            m_i = np.full(block_q, -np.inf, dtype=out_flat.dtype)
+            l_i = np.zeros(block_q, dtype=np.float64)  # see the sum over tiles below
+            l_tile_sums = np.empty(block_q, dtype=out_flat.dtype)
+            alpha_i = np.empty(block_q, dtype=out_flat.dtype)
+            tile_max = np.empty(block_q, dtype=out_flat.dtype)  # row maxima of a score tile
+            pv = np.empty(block_q * dv_pad if PORTABLE else 0, dtype=out_flat.dtype)  # portable
+            row_vmax = scratch(block_q * simd.lanes_of(out_flat), out_flat)
+            for r in range(rows):  # in float64, rounded once, as backward.row_terms
+                scale_row(q_s, r * d, q[q_b, h, row0 + q0 + r], d, scale, PORTABLE)
+            kb_lo, kb_hi = tile_key_range(q0, q0 + rows, n_q, n_k, block_k, left, right)
+            for kb in range(kb_lo, kb_hi):
+                state = tile_state[b, h, qb, kb]
+                if state == HIDDEN:
+                    continue  # the caller's mask hides the whole tile
+                k0 = kb * block_k
+                k_off = (tile0 + kb) * tile_k
+                v_off = (tile0 + kb) * tile_v
+                tile_product_max(s, 0, ld_s, q_s, 0, d, 1, kt_flat, k_off, d, bq, block_k, d,
+                                 row_vmax, tile_max, PORTABLE)
+                # The row maxima came with the product (a pass over S saved); the modifiers and
+                # masks below say whether they still hold.
+                max_given = not modify
+                if modify:
+                    for r in range(rows):
+                        modify_row(s, r * ld_s, block_k, q0 + r + n_k - n_q, k0, softcap,
+                                   slopes[b, h], no_t, PORTABLE)
+                if state == MIXED:
+                    n_cols = min(block_k, n_k_all - k0)
+                    apply_user_mask(s, 0, ld_s, rows, mask_bools, mask_adds, mask_is_bool, b, h,
+                                    q0, k0, n_cols, 1.0, tile_max)
+                    max_given = n_cols == block_k
+                    if max_given:  # padding rows: their scores are 0 (Q zero-padded), or NaN
+                        for r in range(rows, bq):
+                            tile_max[r] = row_max(s, r * ld_s, block_k, PORTABLE)
+                if tile_needs_mask(q0, q0 + rows, k0, block_k, n_q, n_k, left, right):
+                    mask_tile(s, ld_s, rows, q0, k0, block_k, n_q, n_k, left, right, -np.inf)
+                    max_given = False
+                online_softmax(s, 0, ld_s, block_k, bq, m_i, l_tile_sums, alpha_i, tile_max,
+                               max_given, True, PORTABLE)
+                for r in range(bq):
+                    # In float64: in a sharp row, the largest probability is 1 and each later
+                    # tile adds less than half an ulp of 1; float32 lost every such tile's sum
+                    # (peaked q = k = v, N=2048: up to 2.7 ulp of error in the output, where
+                    # torch's 4 tiles of 512 keys lost less).
+                    l_i[r] = alpha_i[r] * l_i[r] + l_tile_sums[r]
+                if drop_below > 0:  # after the sums: l normalizes the probabilities before dropout
+                    for r in range(rows):
+                        dropout_row(s, r * ld_s, block_k, seeds[b], (q_b * n_hq + h) * n_q + q0 + r,
+                                    k0, drop_below, inv_keep)
+                # This tile's P @ V on its own, then acc = alpha * acc + it: each tile's sum is short,
+                # which keeps float32 rounding lower than one long running sum over all keys.
+                n_valid = min(block_k, n_k - k0)  # keys past kv_len have P = 0: V rows never read
+                tile_product_rescale(acc, 0, dv_pad, s, 0, ld_s, 1, vt_flat, v_off, 0, block_k,
+                                     bq, dv_pad, n_valid, alpha_i, 0, alpha_i, 0, pv, PORTABLE)
+            for r in range(rows):
+                at = out_row0 + r * out_layout[2]
+                if l_i[r] == 0.0:  # the row sees no key: output 0, lse -inf
+                    for c in range(dv):
+                        out_flat[at + c] = 0.0
+                    lse[q_b, h, row0 + q0 + r] = -np.inf
+                else:  # a true division: one rounding, not two
+                    # in float64: exactly m where l = 1 (a one-hot row)
+                    lse[q_b, h, row0 + q0 + r] = m_i[r] + np.log(l_i[r])
+                    l_tile_sums[r] = l_i[r]  # rounded to the compute dtype, as acc
+                    divide_row(out_flat, at, acc, r * dv_pad, dv, l_tile_sums[r], PORTABLE)
 
 
 forward_portable = portable_twin(forward)
@@ -228,7 +235,7 @@ def run_forward(q, k, v, scale, band, mods, user_mask, drop, portable, out=None,
     block_q = config.block_q(n_q, d, n_b * n_hq, numba.get_num_threads())
     seqs, _ = sequences.dense(int(n_b), int(n_hq), int(n_q), int(block_q), int(k.shape[1]),
                               int(kt.shape[1]))
-    run_dynamic(forward_portable if portable else forward, q, kt.reshape(-1, kt.shape[2]),
+    run_shared(forward_portable if portable else forward, q, kt.reshape(-1, kt.shape[2]),
                 vt.reshape(-1, vt.shape[2]), k.shape[1], block_q, scale, left, right,
                 seqs, kv_lens, mods[0], mods[1], *user_mask.kernel_args(),
                 user_mask.tile_states(block_q, block_k), drop[0], drop[2], np.full(n_b, drop[1]),
@@ -262,7 +269,7 @@ def run_varlen(q, k, v, cu_q, cu_k, scale, band, mods, drop, portable):
                            config.panel_width(q.dtype), n_tiles)
     no_mask = UserMask(None, n_seq, n_hq, block_q * int(seqs[:, N_QB].max()),
                        block_k * max(1, int(seqs[:, TILES].max())), q.dtype)
-    run_dynamic(forward_portable if portable else forward, q.transpose(1, 0, 2)[None], kt, vt,
+    run_shared(forward_portable if portable else forward, q.transpose(1, 0, 2)[None], kt, vt,
                 n_hkv, block_q, scale, band[0], band[1], seqs, k_lens.astype(np.int64),
                 mods[0], mods[1], *no_mask.kernel_args(),
                 no_mask.tile_states(block_q, block_k), drop[0], drop[2], drop[1], out.reshape(-1),

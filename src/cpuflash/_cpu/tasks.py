@@ -1,14 +1,30 @@
-"""How a ``prange`` task number maps to the work it owns.
+"""How a ``prange`` task number maps to the work it owns, and how the threads share the tasks.
 
 Every kernel's parallel loop runs over ``n_b * n_h * n_inner`` tasks, batch outermost: task
 ``t`` owns batch ``b``, head ``h`` and inner index ``i`` (a query block, key block, key chunk
 or split). Numba's prange index is unsigned; dividing it by a signed count would give floats,
 so it is made int64 here, once.
 
-``run_dynamic`` runs a kernel with its tasks handed out one at a time.
+Sharing the tasks out (the forward and backward kernels). Numba's OpenMP layer runs a
+``prange`` as an ``omp for`` without a schedule clause: static, one contiguous range of
+iterations a thread. A chunk size (``numba.set_parallel_chunksize``) only cuts that range into
+chunks that are dealt out the same static way: measured at stop 50 (a cycle counter read in
+each task of a throwaway copy of the forward kernel, B=1, H=8, N=2048, 2 threads, 40 calls),
+64 of the 128 tasks went to each thread in every call, and one thread's tasks ran 15-30 %
+slower than the other's (a neighbour on its core: this project's machines are shared virtual
+ones), so the other thread waited through 21 % of the loop (median). So these kernels loop over
+one *worker* per thread, and each worker takes its tasks one at a time (``next_task``): from
+the front of its own static share, then from the back of the other workers' shares. While the
+threads keep pace that is the static split (each thread's K/V stay in its own caches); a faster
+thread takes a slower one's last tasks. The same trace with it: tasks 74-78 and 50-54, each
+thread waiting 0.5 % of the loop. A task writes only its own outputs from its own scratch,
+so which thread runs it changes no bit.
 """
 import numba
 import numpy as np
+from llvmlite import ir
+from numba.core import types
+from numba.extending import intrinsic
 
 from ._jit import helper
 
@@ -21,17 +37,66 @@ def unravel(task, n_h, n_inner):
     return b, h, i
 
 
-def run_dynamic(kernel, *args):
-    """``kernel(*args)`` with its ``prange`` tasks handed to the threads one at a time as they
-    finish (dynamic scheduling), not split up front into one contiguous range per thread: a
-    thread slowed by other work on its core then takes fewer tasks instead of holding up the
-    whole call. Measured side by side, B=1, H=8, N=2048, D=64, 2 threads, four rounds: the
-    same 188-191 GFLOP/s in quiet rounds, 169 and 191 against 146 and 115 in rounds where the
-    machine was busy. The tasks write disjoint outputs (``unravel``), so the bits do not
-    change. 3.5 us a call (Numba's chunk-size setting, set and restored: per thread, so a
-    caller's own parallel code keeps its schedule); kept off the short decode steps."""
+@intrinsic
+def fetch_add(typingctx, counter, index, value):
+    """``counter[index] += value`` as one atomic operation (an int64 array, C-contiguous);
+    returns the value before. Monotonic ordering: the counter orders nothing else (each task's
+    outputs are read only after the parallel loop, whose end synchronizes the threads)."""
+    if not (isinstance(counter, types.Array) and counter.dtype == types.int64
+            and counter.layout == "C"):
+        return None
+
+    def codegen(context, builder, sig, args):
+        array = context.make_array(sig.args[0])(context, builder, args[0])
+        at = builder.gep(array.data, [args[1]])
+        return builder.atomic_rmw("add", at, args[2], "monotonic")
+
+    return types.int64(counter, types.int64, types.int64), codegen
+
+
+# A worker's claim on a share adds FRONT (its own tasks, from the front) or BACK (another's,
+# from the back) to the share's word: both counts in one int64, so that one atomic add hands
+# each task out once (fewer than 2**31 tasks a share). One cache line a word.
+FRONT, BACK = 1, 1 << 32
+CLAIM_STRIDE = 8
+
+
+@helper
+def new_claims(n_workers):
+    """The claim words of ``n_workers`` shares, zero."""
+    return np.zeros(max(n_workers, 1) * CLAIM_STRIDE, dtype=np.int64)
+
+
+@helper
+def next_task(claims, worker, n_workers, n_tasks):
+    """The next of ``n_tasks`` tasks for ``worker`` of ``n_workers``, or -1 when none is left:
+    the next one of its own share (tasks ``[lo, lo + size)`` of share ``w``, the static split),
+    else the last one left of the next share that has any. A claim is one atomic add to the
+    share's word (``FRONT`` or ``BACK``); the word before it says which task the claim got:
+    ``front`` tasks taken from the front and ``back`` from the back, and the claim is good
+    while ``front + back < size``. Every good claim raised that sum by one, atomically, so the
+    good claims on a share are ``size`` in all, and a front claim at ``front = f`` and a back
+    claim at ``back = c`` never name one task (``lo + f = lo + size - 1 - c`` needs ``f + c =
+    size - 1``, but whichever of the two came later saw the other's count and a sum of at
+    least ``size``)."""
+    for i in range(n_workers):
+        w = (worker + i) % n_workers
+        lo = w * n_tasks // n_workers
+        size = (w + 1) * n_tasks // n_workers - lo
+        before = fetch_add(claims, w * CLAIM_STRIDE, FRONT if i == 0 else BACK)
+        front, back = before & 0xFFFFFFFF, before >> 32
+        if front + back < size:
+            return lo + front if i == 0 else lo + size - 1 - back
+    return -1
+
+
+def run_shared(kernel, *args):
+    """``kernel(*args, n_threads)``, a kernel whose tasks its workers share out
+    (``next_task``), one worker per thread: Numba's chunk size is 1 for the call (per thread,
+    set and restored: a caller's own parallel code keeps its schedule), so that each thread
+    gets one worker whatever chunk size the caller set."""
     old = numba.set_parallel_chunksize(1)
     try:
-        return kernel(*args)
+        return kernel(*args, numba.get_num_threads())
     finally:
         numba.set_parallel_chunksize(old)
