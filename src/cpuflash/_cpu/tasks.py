@@ -10,15 +10,18 @@ Sharing the tasks out (the forward and backward kernels). Numba's OpenMP layer r
 iterations a thread. A chunk size (``numba.set_parallel_chunksize``) only cuts that range into
 chunks that are dealt out the same static way: measured at stop 50 (a cycle counter read in
 each task of a throwaway copy of the forward kernel, B=1, H=8, N=2048, 2 threads, 40 calls),
-64 of the 128 tasks went to each thread in every call, and one thread's tasks ran 15-30 %
-slower than the other's (a neighbour on its core: this project's machines are shared virtual
-ones), so the other thread waited through 21 % of the loop (median). So these kernels loop over
-one *worker* per thread, and each worker takes its tasks one at a time (``next_task``): from
-the front of its own static share, then from the back of the other workers' shares. While the
-threads keep pace that is the static split (each thread's K/V stay in its own caches); a faster
-thread takes a slower one's last tasks. The same trace with it: tasks 74-78 and 50-54, each
-thread waiting 0.5 % of the loop. A task writes only its own outputs from its own scratch,
-so which thread runs it changes no bit.
+64 of the 128 tasks went to each thread in every call, and where one thread's tasks ran slower
+than the other's (a neighbour on its core: this project's machines are shared virtual ones),
+the other waited: 4-6 % of the loop in one run, 19-21 % in two others (medians of 40 calls).
+So these kernels loop over one *worker* per thread, and each worker takes its tasks one at a
+time (``next_task``): from the front of its own static share, then from the back of the other
+workers' shares. While the threads keep pace that is the static split (each thread's K/V stay
+in its own caches; handing every task out in order from one counter, tried first, was 2-6 %
+slower than the static split in a quiet spell); a faster thread takes a slower one's last
+tasks. The same trace with it, alternating with the static code: each thread waiting 0-1 % of
+the loop, one taking 77-82 tasks and the other 46-51 where the other's ran at half speed. A
+task writes only its own outputs from its own scratch, so which thread runs it changes no
+bit.
 """
 import numba
 import numpy as np
