@@ -247,7 +247,8 @@ def test_a_sharp_row_keeps_the_sum_of_many_tiny_tiles(kernels):
 
 
 def _gqa(n_q):  # 4 query heads on 2 key/value heads
-    return rand((2, 4, n_q, 32), seed=4), rand((2, 2, 50, 32), seed=5), rand((2, 2, 50, 32), seed=6)
+    return (rand((2, 4, n_q, 32), seed=4), rand((2, 2, 50, 32), seed=5),
+            rand((2, 2, 50, 32), seed=6))
 
 
 def _strided(n_q):  # q and k as transposed views, v a broadcast (read-only, stride 0) view

@@ -134,7 +134,8 @@ def backward(qp, dout, lse_p, delta, kt, vtt, kn, block_q, d_pad, dv_pad,
                     for qb in range(n_qb):
                         q0 = qb * block_q
                         rows = min(block_q, n_q - q0)
-                        kb_lo, kb_hi = tile_key_range(q0, q0 + rows, n_q, n_k, block_k, left, right)
+                        kb_lo, kb_hi = tile_key_range(q0, q0 + rows, n_q, n_k, block_k, left,
+                                                      right)
                         state = tile_state[b, h, qb, kb]
                         if kb < kb_lo or kb >= kb_hi or state == HIDDEN:
                             continue  # the block sees no key of this tile
@@ -159,8 +160,8 @@ def backward(qp, dout, lse_p, delta, kt, vtt, kn, block_q, d_pad, dv_pad,
                         # comes out as the forward's probabilities, consistent with its lse
                         # (measured: scaling S here instead doubles the dQ error).
                         tile_product_store(s, 0, ld_s, qa, qa_off, d_pad, 1, kt_flat,
-                                           tile * d * block_k, 0, d, block_q, block_k, d, s, 0, s, 0,
-                                           dp_tile, PORTABLE)
+                                           tile * d * block_k, 0, d, block_q, block_k, d, s, 0,
+                                           s, 0, dp_tile, PORTABLE)
                         if modify:
                             for r in range(rows):
                                 modify_row(s, r * ld_s, block_k, q0 + r + n_k - n_q, k0,
@@ -183,36 +184,38 @@ def backward(qp, dout, lse_p, delta, kt, vtt, kn, block_q, d_pad, dv_pad,
                                                n_dv, ds, 0, ds, 0, dp_tile, PORTABLE)
                             for r in range(rows):
                                 dropout_row(ds, r * ld_s, block_k, seed,
-                                            (b * n_hq + h) * n_q + q0 + r, k0, drop_below, inv_keep)
+                                            (b * n_hq + h) * n_q + q0 + r, k0, drop_below,
+                                            inv_keep)
                             for r in range(block_q):
                                 softmax_grad_row(s, ds, r * ld_s, block_k, delta_r[r], PORTABLE)
                         else:
-                            tile_product_softmax_grad(ds, 0, ld_s, doa, doa_off, dv_pad, 1, vtt_flat,
-                                                      tile * n_dv * block_k, 0, n_dv, block_q,
-                                                      block_k, n_dv, s, 0, delta_r, 0, dp_tile,
-                                                      PORTABLE)
+                            tile_product_softmax_grad(ds, 0, ld_s, doa, doa_off, dv_pad, 1,
+                                                      vtt_flat, tile * n_dv * block_k, 0, n_dv,
+                                                      block_q, block_k, n_dv, s, 0, delta_r, 0,
+                                                      dp_tile, PORTABLE)
                         if drop_below > 0:  # dV takes the dropped P
                             for r in range(rows):
                                 dropout_row(s, r * ld_s, block_k, seed,
-                                            (b * n_hq + h) * n_q + q0 + r, k0, drop_below, inv_keep)
+                                            (b * n_hq + h) * n_q + q0 + r, k0, drop_below,
+                                            inv_keep)
                         if softcap != 0.0:  # back through the tanh to the raw scores
                             for r in range(rows):
                                 tanh_grad_row(ds, t_cap, r * ld_s, block_k, PORTABLE)
                         # dV += P^T dO and dK += dS^T Q: P and dS read transposed (row stride 1).
-                        # Each block's products are formed on their own, then added with compensation:
-                        # one long running sum over every query row rounds more (measured at N=8192,
-                        # causal: dV error 2.0e-6 that way; 2.2e-6 summing 4 blocks before each
-                        # compensated add; 1.2e-6 this way; torch 1.3e-6).
+                        # Each block's products are formed on their own, then added with
+                        # compensation: one long running sum over every query row rounds more
+                        # (measured at N=8192, causal: dV error 2.0e-6 that way; 2.2e-6 summing 4
+                        # blocks before each compensated add; 1.2e-6 this way; torch 1.3e-6).
                         tile_product_kahan(dv_acc, 0, dv_pad, s, 0, 1, ld_s, doa, doa_off, dv_pad,
                                            1, block_k, dv_pad, block_q, dv_comp, 0, dv_comp, 0,
                                            dv_part, PORTABLE)
                         tile_product_kahan(dk_acc, 0, d_pad, ds, 0, 1, ld_s, qa, qa_off, d_pad, 1,
-                                           block_k, d_pad, block_q, dk_comp, 0, dk_comp, 0, dk_part,
-                                           PORTABLE)
+                                           block_k, d_pad, block_q, dk_comp, 0, dk_comp, 0,
+                                           dk_part, PORTABLE)
                         dq_off = (((chunk * n_b + b) * n_hq + h) * rows_padded + q0) * d_pad
                         tile_product_add(dq_flat, dq_off, d_pad, ds, 0, ld_s, 1, kn_flat,
-                                         tile * block_k * d_pad, 0, block_k, block_q, d_pad, n_valid,
-                                         dq_flat, 0, dq_flat, 0, dq_tile, PORTABLE)
+                                         tile * block_k * d_pad, 0, block_k, block_q, d_pad,
+                                         n_valid, dq_flat, 0, dq_flat, 0, dq_tile, PORTABLE)
                 for j in range(n_valid):
                     for dd in range(d):
                         dk[b, hk, k0 + j, dd] = dk_acc[j * d_pad + dd]

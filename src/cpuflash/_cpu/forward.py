@@ -170,10 +170,11 @@ def forward(q, kt, vt, n_hkv, block_q, scale, left, right, seqs, kv_lens, softca
                     l_i[r] = alpha_i[r] * l_i[r] + l_tile_sums[r]
                 if drop_below > 0:  # after the sums: l normalizes the probabilities before dropout
                     for r in range(rows):
-                        dropout_row(s, r * ld_s, block_k, seeds[b], (q_b * n_hq + h) * n_q + q0 + r,
-                                    k0, drop_below, inv_keep)
-                # This tile's P @ V on its own, then acc = alpha * acc + it: each tile's sum is short,
-                # which keeps float32 rounding lower than one long running sum over all keys.
+                        dropout_row(s, r * ld_s, block_k, seeds[b],
+                                    (q_b * n_hq + h) * n_q + q0 + r, k0, drop_below, inv_keep)
+                # This tile's P @ V on its own, then acc = alpha * acc + it: each tile's sum is
+                # short, which keeps float32 rounding lower than one long running sum over all
+                # keys.
                 n_valid = min(block_k, n_k - k0)  # keys past kv_len have P = 0: V rows never read
                 tile_product_rescale(acc, 0, dv_pad, s, 0, ld_s, 1, vt_flat, v_off, 0, block_k,
                                      bq, dv_pad, n_valid, alpha_i, 0, alpha_i, 0, pv, PORTABLE)
