@@ -65,6 +65,37 @@ def test_query_block_size_keeps_the_bits(opts, monkeypatch):
         assert np.array_equal(out, results[0][0]) and np.array_equal(lse, results[0][1])
 
 
+def test_python_threads_at_once_get_a_lone_calls_bits():
+    """Four Python threads calling the forward and backward passes at once (each call's tasks
+    shared out by its own workers, ``tasks.next_task``) get the bits of each call made alone."""
+    import threading
+    inputs = [rands((1, 4, 130, 32), (1, 2, 150, 32), (1, 2, 150, 32), (1, 4, 130, 32),
+                    seed=10 * i) for i in range(4)]
+
+    def both(q, k, v, dout):
+        out, lse = cpuflash.attention(q, k, v, causal=True, return_lse=True)
+        return (out, lse, *cpuflash.attention_backward(dout, q, k, v, out, lse, causal=True))
+
+    alone = [both(*x) for x in inputs]
+    start = threading.Barrier(len(inputs))
+    together = [None] * len(inputs)
+
+    def call(i):
+        start.wait()
+        together[i] = [both(*inputs[i]) for _ in range(3)]
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(inputs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for want, runs in zip(alone, together):
+        assert runs is not None
+        for got in runs:
+            for a, b in zip(got, want):
+                assert np.array_equal(a, b)
+
+
 def _run(code, **env):
     full_env = dict(os.environ, **env)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
