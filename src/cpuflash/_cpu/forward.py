@@ -105,6 +105,17 @@ def forward(q, kt, vt, n_hkv, block_q, scale, left, right, seqs, kv_lens, softca
     n_workers = min(n_threads, n_tasks)
     claims = new_claims(n_workers)
     for worker in prange(n_workers):  # one a thread: they share the tasks out (tasks.py)
+        # A worker's scratch, for each of its tasks in turn
+        q_s = scratch(block_q * d, out_flat)   # Q block, scaled
+        s = scratch(block_q * ld_s, out_flat)  # scores, then probabilities
+        acc = scratch(block_q * dv_pad, out_flat)
+        m_i = np.empty(block_q, dtype=out_flat.dtype)
+        l_i = np.empty(block_q, dtype=np.float64)  # see the sum over tiles below
+        l_tile_sums = np.empty(block_q, dtype=out_flat.dtype)
+        alpha_i = np.empty(block_q, dtype=out_flat.dtype)
+        tile_max = np.empty(block_q, dtype=out_flat.dtype)  # row maxima of a score tile
+        pv = np.empty(block_q * dv_pad if PORTABLE else 0, dtype=out_flat.dtype)  # portable
+        row_vmax = scratch(block_q * simd.lanes_of(out_flat), out_flat)
         for _ in range(n_tasks):
             task = next_task(claims, worker, n_workers, n_tasks)
             if task < 0:
@@ -118,18 +129,10 @@ def forward(q, kt, vt, n_hkv, block_q, scale, left, right, seqs, kv_lens, softca
             q0 = qb * bq
             rows = min(bq, n_q - q0)
             out_row0 = q_b * out_layout[0] + h * out_layout[1] + (row0 + q0) * out_layout[2]
-            q_s = scratch(block_q * d, out_flat)   # Q block, scaled
             q_s[:] = 0.0
-            s = scratch(block_q * ld_s, out_flat)  # scores, then probabilities
-            acc = scratch(block_q * dv_pad, out_flat)
             acc[:] = 0.0
-            m_i = np.full(block_q, -np.inf, dtype=out_flat.dtype)
-            l_i = np.zeros(block_q, dtype=np.float64)  # see the sum over tiles below
-            l_tile_sums = np.empty(block_q, dtype=out_flat.dtype)
-            alpha_i = np.empty(block_q, dtype=out_flat.dtype)
-            tile_max = np.empty(block_q, dtype=out_flat.dtype)  # row maxima of a score tile
-            pv = np.empty(block_q * dv_pad if PORTABLE else 0, dtype=out_flat.dtype)  # portable
-            row_vmax = scratch(block_q * simd.lanes_of(out_flat), out_flat)
+            m_i[:] = -np.inf
+            l_i[:] = 0.0
             for r in range(rows):  # in float64, rounded once, as backward.row_terms
                 scale_row(q_s, r * d, q[q_b, h, row0 + q0 + r], d, scale, PORTABLE)
             kb_lo, kb_hi = tile_key_range(q0, q0 + rows, n_q, n_k, block_k, left, right)
