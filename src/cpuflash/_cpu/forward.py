@@ -21,9 +21,9 @@ exact near the maximum, and exactly 0 at it (``tiles.exp_shifted_sum``), and e^x
 ``x log2(e)`` rounded once (``simd.vexp_once``, since stop 43: two operations fewer a vector;
 the error it adds is largest for small probabilities, at most 4.4e-8 of the largest).
 
-Never built in full: the (Nq, Nk) score matrix. Scratch per task is O(block_q * (D + block_k +
-Dv)). Every task writes only its own rows of ``out``/``lse``, so the result is bitwise the same
-for any thread count.
+Never built in full: the (Nq, Nk) score matrix. Scratch per worker (one a thread, reset for
+each of its tasks) is O(block_q * (D + block_k + Dv)). Every task writes only its own rows of
+``out``/``lse``, so the result is bitwise the same for any thread count.
 
 Masks: ``tile_key_range`` gives the key tiles a query block can see at all (tiles outside are
 skipped, never computed); ``tile_needs_mask`` tells whether a visible tile crosses a mask edge,
