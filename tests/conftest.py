@@ -9,6 +9,25 @@ from background import BackgroundRuns
 from cpuflash import config
 
 
+def _halve_q_heads(a):  # Hq % Hkv != 0
+    a["q"] = a["q"][:, :3]
+
+
+def _narrow_k(a):  # head dims differ
+    a["k"] = a["k"][..., :16]
+
+
+# Bad input that both plain paths (api._plain_decode, api._plain_forward) leave to the general
+# checks, as ``(edit of the q, k, v dict, options, error, message)``; Hq = 4, Hkv = 2, D = 32.
+PLAIN_CALL_REFUSALS = [
+    (_halve_q_heads, {}, ValueError, "k: query heads"),
+    (_narrow_k, {}, ValueError, "k: expected head dim"),
+    (None, dict(scale=float("nan")), ValueError, "scale:"),
+    (None, dict(scale=0.0), ValueError, "scale:"),
+    (None, dict(causal=1), TypeError, "causal:"),
+]
+
+
 def rand(shape, dtype=np.float32, seed=0, scale=1.0):
     rng = np.random.default_rng(seed)
     return (scale * rng.standard_normal(shape)).astype(dtype)

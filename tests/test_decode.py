@@ -7,7 +7,8 @@ import pytest
 import cpuflash
 from cpuflash import masks, reference
 from cpuflash._cpu import decode
-from conftest import assert_close_to_reference, on_threads, rand, rands
+from conftest import (PLAIN_CALL_REFUSALS, assert_close_to_reference, on_threads, rand,
+                      rands)
 
 
 def takes_decode_path(q, k, v, causal=False):
@@ -173,14 +174,6 @@ def test_plain_decode_call_skips_the_general_checks(dtype, cache, causal, scale,
     np.testing.assert_allclose(plain, ref, rtol=0, atol=1e-12 if dtype == np.float64 else 2e-6)
 
 
-def _halve_q_heads(a):  # Hq % Hkv != 0
-    a["q"] = a["q"][:, :3]
-
-
-def _narrow_k(a):  # head dims differ
-    a["k"] = a["k"][..., :16]
-
-
 def _k_float64(a):
     a["k"] = a["k"].astype(np.float64)
 
@@ -189,14 +182,9 @@ def _q_float16(a):  # float16 q with a float32 K/V
     a["q"] = a["q"].astype(np.float16)
 
 
-@pytest.mark.parametrize("edit, options, error, message", [
-    (_halve_q_heads, {}, ValueError, "k: query heads"),
-    (_narrow_k, {}, ValueError, "k: expected head dim"),
+@pytest.mark.parametrize("edit, options, error, message", PLAIN_CALL_REFUSALS + [
     (_k_float64, {}, TypeError, "k, v: expected one dtype"),
     (_q_float16, {}, TypeError, "q, k, v: expected one dtype"),
-    (None, dict(scale=float("nan")), ValueError, "scale:"),
-    (None, dict(scale=0.0), ValueError, "scale:"),
-    (None, dict(causal=1), TypeError, "causal:"),
 ])
 def test_plain_decode_call_leaves_bad_input_to_the_checks(edit, options, error, message):
     """What the plain decode path does not take goes to the general checks, which name it."""

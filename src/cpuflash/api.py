@@ -179,25 +179,18 @@ def _plain_forward(q, k, v, causal, scale, return_lse):
     """A forward call with no option but ``causal``, ``scale`` and ``return_lse`` (a bool),
     straight to ``run_forward`` with the arguments the general path would build (the same
     kernel on the same arguments: the same bits), or None for anything else (the general path
-    then checks it, and raises what it must). It takes what the general checks accept as they
-    stand: 4-D numpy q, k, v of one dtype, float32 or float64, any strides, matching shapes
-    with ``Hq % Hkv == 0``, more than ``MAX_NQ`` queries (fewer are ``_plain_decode``'s), at
-    least one key, ``causal`` a bool, ``scale`` None or a float.
+    then checks it, and raises what it must). It takes what ``_plain_shapes`` takes (any
+    strides), with more than ``MAX_NQ`` queries (fewer are ``_plain_decode``'s) and K and V of
+    q's dtype.
 
     The general path's checks and objects cost a call about 18 us more (B=1, H=1, N=64, D=64:
     83 against 65 us, side by side), what a small model's short sequences pay on every layer
     (1.06-1.12x at 12-16 heads of 64-128 tokens)."""
-    if not (type(q) is np.ndarray and type(k) is np.ndarray and type(v) is np.ndarray
-            and q.ndim == 4 and k.ndim == 4 and v.ndim == 4
-            and (causal is True or causal is False) and (scale is None or type(scale) is float)):
+    shapes = _plain_shapes(q, k, v, causal, scale)
+    if shapes is None:
         return None
-    n_b, n_hq, n_q, d = q.shape
-    _, n_hkv, n_k, dv = v.shape
-    q_type = q.dtype.type if q.dtype.isnative else None  # see _plain_decode_args
-    if not (n_q > MAX_NQ and n_k > 0 and d > 0 and dv > 0 and n_b > 0 and n_hkv > 0
-            and n_hq % n_hkv == 0 and k.shape == (n_b, n_hkv, n_k, d) and v.shape[0] == n_b
-            and (q_type is np.float32 or q_type is np.float64)
-            and k.dtype == q.dtype and v.dtype == q.dtype):
+    n_b, n_hq, n_q, n_k, d, q_type, k_type = shapes
+    if not (n_q > MAX_NQ and k_type is q_type):
         return None
     out, lse = run_forward(q, k, v, _checks.scale(scale, d),
                            masks.band(causal, None, None, n_b, n_k),
@@ -210,25 +203,16 @@ def _plain_forward(q, k, v, causal, scale, return_lse):
 def _plain_decode_args(q, k, v, causal, scale, kv_blocks, kv_scales):
     """``_plain_decode``'s kernel arguments (``decode.decode_args``), or None where it does not
     take the call."""
-    if not (type(q) is np.ndarray and type(k) is np.ndarray and type(v) is np.ndarray
-            and q.ndim == 4 and k.ndim == 4 and v.ndim == 4 and not config.PORTABLE
-            and (causal is True or causal is False)):
+    shapes = _plain_shapes(q, k, v, causal, scale)
+    if shapes is None or config.PORTABLE:
         return None
-    n_b, n_hq, n_q, d = q.shape
-    _, n_hkv, n_k, dv = v.shape
-    dtype = q.dtype
-    # dtypes by their scalar types (and native byte order): ``dtype == np.float32`` converts
-    # the type to a dtype first, about 0.3 us a comparison
-    q_type = dtype.type if dtype.isnative else None
-    k_type = k.dtype.type if k.dtype.isnative else None
-    if not (0 < n_q <= MAX_NQ and n_k > 0 and d > 0 and dv > 0 and n_b > 0 and n_hkv > 0
-            and n_hq % n_hkv == 0 and k.shape == (n_b, n_hkv, n_k, d) and v.shape[0] == n_b
-            and (q_type is np.float32 or q_type is np.float64) and k.dtype == v.dtype
-            and (k_type is q_type or (k_type is np.float16 and q_type is np.float32)
-                 or (k_type is np.int8 and q_type is np.float32))):
+    n_b, n_hq, n_q, n_k, d, q_type, k_type = shapes
+    n_hkv = v.shape[1]
+    if not (n_q <= MAX_NQ and (k_type is q_type
+                               or (k_type is np.float16 and q_type is np.float32)
+                               or (k_type is np.int8 and q_type is np.float32))):
         return None
-    if (k_type is np.int8) != (kv_scales is not None) or not (scale is None
-                                                              or type(scale) is float):
+    if (k_type is np.int8) != (kv_scales is not None):
         return None
     if kv_scales is not None and not all(
             type(x) is np.ndarray and x.dtype.type is np.float32 and x.dtype.isnative
@@ -238,8 +222,31 @@ def _plain_decode_args(q, k, v, causal, scale, kv_blocks, kv_scales):
     return decode_args(q, k, v, _checks.scale(scale, d),
                        masks.band(causal, None, None, n_b, n_k),
                        masks.modifiers(None, None, n_b, n_hq),
-                       masks.UserMask(None, n_b, n_hq, n_q, n_k, dtype), masks.NO_DROPOUT,
+                       masks.UserMask(None, n_b, n_hq, n_q, n_k, q.dtype), masks.NO_DROPOUT,
                        kv_scales=kv_scales, kv_blocks=kv_blocks)
+
+
+def _plain_shapes(q, k, v, causal, scale):
+    """What both plain paths (``_plain_forward``, ``_plain_decode_args``) take of a call, as the
+    general checks would accept it as it stands, or None: 4-D numpy q, k, v with matching
+    shapes (``Hq % Hkv == 0``, at least one query, key, batch and head, D and Dv at least 1),
+    q float32 or float64, k and v of one dtype, all in native byte order; ``causal`` a bool,
+    ``scale`` None or a float. Returns ``(B, Hq, Nq, Nk, D, q_type, k_type)``, the dtypes by
+    their scalar types (``dtype == np.float32`` converts the type to a dtype first, about
+    0.3 us a comparison; a non-native dtype gives None)."""
+    if not (type(q) is np.ndarray and type(k) is np.ndarray and type(v) is np.ndarray
+            and q.ndim == 4 and k.ndim == 4 and v.ndim == 4
+            and (causal is True or causal is False) and (scale is None or type(scale) is float)):
+        return None
+    n_b, n_hq, n_q, d = q.shape
+    _, n_hkv, n_k, dv = v.shape
+    q_type = q.dtype.type if q.dtype.isnative else None
+    k_type = k.dtype.type if k.dtype.isnative else None
+    if not (n_q > 0 and n_k > 0 and d > 0 and dv > 0 and n_b > 0 and n_hkv > 0
+            and n_hq % n_hkv == 0 and k.shape == (n_b, n_hkv, n_k, d) and v.shape[0] == n_b
+            and (q_type is np.float32 or q_type is np.float64) and k.dtype == v.dtype):
+        return None
+    return n_b, n_hq, n_q, n_k, d, q_type, k_type
 
 
 def step_plan(q, kv_blocks, n_k, causal, scale, scales=None):
