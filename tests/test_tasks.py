@@ -1,5 +1,6 @@
 """How the forward and backward kernels' workers share their tasks out (``tasks.next_task``):
 every task once, each worker's own share from the front, the others' from the back."""
+import numba
 import numpy as np
 import pytest
 
@@ -54,3 +55,42 @@ def test_claim_words_on_lines_of_their_own():
     claims = tasks.new_claims(4)
     assert claims.shape == (4 * tasks.CLAIM_STRIDE,) and claims.dtype == np.int64
     assert tasks.CLAIM_STRIDE * claims.itemsize >= 64 and not claims.any()
+
+
+def test_num_threads_follows_set_num_threads():
+    """``tasks.num_threads`` (the threading layer's own function, without Numba's lock) is
+    ``numba.get_num_threads()``, also after ``set_num_threads``."""
+    before = numba.get_num_threads()
+    try:
+        for n in sorted({1, before}):
+            numba.set_num_threads(n)
+            assert tasks.num_threads() == numba.get_num_threads() == n
+    finally:
+        numba.set_num_threads(before)
+
+
+@pytest.mark.parametrize("chunk", [0, 1, 2, 7])
+def test_run_shared_one_worker_a_thread_whatever_the_chunk_size(chunk):
+    """The kernel gets the thread count as its last argument and runs with a chunk size of
+    0 or 1 (one worker dealt to each thread): the caller's own 0 or 1 is left alone, a larger
+    one is 1 for the call and restored after it, also when the kernel raises."""
+    seen = []
+
+    def kernel(a, b, n_threads):
+        seen.append((a, b, n_threads, numba.get_parallel_chunksize()))
+        if a == "raise":
+            raise RuntimeError("in the kernel")
+        return n_threads
+
+    old = numba.set_parallel_chunksize(chunk)
+    try:
+        assert tasks.run_shared(kernel, "x", 3) == numba.get_num_threads()
+        assert numba.get_parallel_chunksize() == chunk
+        with pytest.raises(RuntimeError, match="in the kernel"):
+            tasks.run_shared(kernel, "raise", 0)
+        assert numba.get_parallel_chunksize() == chunk
+    finally:
+        numba.set_parallel_chunksize(old)
+    expected = chunk if chunk <= 1 else 1
+    assert seen == [("x", 3, numba.get_num_threads(), expected),
+                    ("raise", 0, numba.get_num_threads(), expected)]

@@ -30,7 +30,6 @@ skipped, never computed); ``tile_needs_mask`` tells whether a visible tile cross
 and only then ``mask_tile`` sets scores to ``-inf`` element by element. Later masks (window,
 kv_lens, bool/float masks, ALiBi, softcap, dropout) slot into these three functions.
 """
-import numba
 import numpy as np
 from numba import prange
 
@@ -38,10 +37,10 @@ from .. import config
 from . import sequences, simd
 from ._jit import helper, kernel, portable_twin
 from .sequences import BLOCK_Q, N_Q, N_QB, Q_BATCH, Q_ROW0, TASK0, TILE0, TILES, find_task
-from .tasks import new_claims, next_task, run_shared
+from .tasks import new_claims, next_task, num_threads, run_shared
 from .decode import arrays_of_blocks, run_decode
 from ..masks import UserMask
-from .pack import empty, packed_kv, packed_varlen, scratch
+from .pack import empty, output, packed_kv, packed_varlen, scratch
 from .masking import (HIDDEN, MIXED, apply_user_mask, mask_tile, tile_key_range,
                       tile_needs_mask)
 from .dropout import dropout_row
@@ -49,6 +48,9 @@ from .scores import modify_row
 from .tiles import (divide_row, online_softmax, row_max, scale_row, tile_product_max,
                     tile_product_rescale)
 
+# The seeds of a call without dropout: never read (``drop_below = 0``), one for every batch
+# row made anew was a microsecond of a small call.
+NO_SEEDS = np.zeros(1, dtype=np.int64)
 PORTABLE = False  # True in ``forward_portable``: a compile-time constant (_jit.portable_twin)
 
 
@@ -216,7 +218,7 @@ def run_forward(q, k, v, scale, band, mods, user_mask, drop, portable, out=None,
     n_b, n_hq, n_q, d = q.shape
     n_k, dv = v.shape[2], v.shape[3]
     if out is None:
-        out = empty((n_b, n_hq, n_q, dv), q.dtype)  # very large: plain pages (pack.empty)
+        out = output((n_b, n_hq, n_q, dv), q.dtype)  # very large: plain pages (pack.empty)
     lse = np.empty((n_b, n_hq, n_q), dtype=q.dtype)
     if out.size == 0:
         return out, lse
@@ -236,14 +238,15 @@ def run_forward(q, k, v, scale, band, mods, user_mask, drop, portable, out=None,
     k, v = (x if x.dtype == q.dtype else x.astype(q.dtype) for x in (k, v))
     block_k = config.block_k(d, n_k)
     kt, vt = packed_kv(k, v, block_k, config.lanes(q.dtype), config.panel_width(q.dtype))
-    block_q = config.block_q(n_q, d, n_b * n_hq, numba.get_num_threads())
+    block_q = config.block_q(n_q, d, n_b * n_hq, num_threads())
     seqs, _ = sequences.dense(int(n_b), int(n_hq), int(n_q), int(block_q), int(k.shape[1]),
                               int(kt.shape[1]))
     run_shared(forward_portable if portable else forward, q, kt.reshape(-1, kt.shape[2]),
                 vt.reshape(-1, vt.shape[2]), k.shape[1], block_q, scale, left, right,
                 seqs, kv_lens, mods[0], mods[1], *user_mask.kernel_args(),
-                user_mask.tile_states(block_q, block_k), drop[0], drop[2], np.full(n_b, drop[1]),
-                out.reshape(-1), (n_hq * n_q * dv, n_q * dv, dv, dv), lse)
+                user_mask.tile_states(block_q, block_k), drop[0], drop[2],
+                np.full(n_b, drop[1]) if drop[0] else NO_SEEDS, out.reshape(-1),
+                (n_hq * n_q * dv, n_q * dv, dv, dv), lse)
     return out, lse
 
 
@@ -266,7 +269,7 @@ def run_varlen(q, k, v, cu_q, cu_k, scale, band, mods, drop, portable):
         return out, lse.reshape(n_hq, total_q)
     longest_q, longest_k = int(q_lens.max()), int(k_lens.max())
     block_k = config.block_k(d, longest_k)
-    block_q = config.block_q(longest_q, d, n_seq * n_hq, numba.get_num_threads())
+    block_q = config.block_q(longest_q, d, n_seq * n_hq, num_threads())
     seqs, _, n_tiles = sequences.varlen(cu_q[:-1], q_lens, k_lens, n_hq, n_hkv, block_q,
                                         block_k, config.MICRO_ROWS)
     kt, vt = packed_varlen(k, v, cu_k, seqs, block_k, config.lanes(q.dtype),

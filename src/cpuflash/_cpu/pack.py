@@ -11,6 +11,7 @@ Panel layout of a ``(rows, cols)`` tile with panel width ``w``: element ``(r, c)
 Keys past ``Nk`` and columns past ``Dv`` are zero. Inputs may have any strides (transposed or
 broadcast views) and are read once; the packed copies are O(N), like the inputs.
 """
+import ctypes
 import math
 import mmap
 import sys
@@ -128,30 +129,34 @@ def pack_tiles(k, v, block_k, w, kt, vtt, kn, vn):
     n_k, d, dv = k.shape[2], k.shape[3], v.shape[3]
     kf, vf = k.reshape(-1), v.reshape(-1)
     n_blocks = max(1, (n_k + block_k - 1) // block_k)
-    end_kt = 0 if kt is None else kt.shape[0] * kt.shape[1]  # each copy's tasks in turn
-    end_vtt = end_kt + (0 if vtt is None else vtt.shape[0] * vtt.shape[1])
-    end_kn = end_vtt + (0 if kn is None else kn.shape[0] * kn.shape[1])
-    end_vn = end_kn + (0 if vn is None else vn.shape[0] * vn.shape[1])
-    for task in prange(end_vn):
-        if task < end_kt:
-            if kt is not None:
-                src, n_valid = key_tile(task, n_blocks, block_k, n_k, d)
+    n_tiles = k.shape[0] * k.shape[1] * n_blocks  # of each copy
+    n_copies = ((kt is not None) + (vtt is not None) + (kn is not None)
+                + (vn is not None))
+    for task in prange(n_tiles * n_copies):
+        tile, which = task // n_copies, task % n_copies  # a tile's copies side by side
+        if kt is not None:
+            if which == 0:
+                src, n_valid = key_tile(tile, n_blocks, block_k, n_k, d)
                 keys_transposed_task(kf, src, d, n_valid, d, block_k, w, kt.reshape(-1),
-                                     task * (d * block_k))
-        elif task < end_vtt:
-            if vtt is not None:
-                src, n_valid = key_tile(task - end_kt, n_blocks, block_k, n_k, dv)
+                                     tile * (d * block_k))
+            which -= 1
+        if vtt is not None:
+            if which == 0:
+                src, n_valid = key_tile(tile, n_blocks, block_k, n_k, dv)
                 keys_transposed_task(vf, src, dv, n_valid, dv, block_k, w, vtt.reshape(-1),
-                                     (task - end_kt) * (dv * block_k))
-        elif task < end_kn:
-            if kn is not None:
-                src, n_valid = key_tile(task - end_vtt, n_blocks, block_k, n_k, d)
+                                     tile * (dv * block_k))
+            which -= 1
+        if kn is not None:
+            if which == 0:
+                src, n_valid = key_tile(tile, n_blocks, block_k, n_k, d)
                 values_task(kf, src, d, n_valid, d, d, block_k, w, True, kn.reshape(-1),
-                            (task - end_vtt) * (block_k * d))
-        elif vn is not None:
-            src, n_valid = key_tile(task - end_kn, n_blocks, block_k, n_k, dv)
-            values_task(vf, src, dv, n_valid, dv, dv, block_k, w, False, vn.reshape(-1),
-                        (task - end_kn) * (block_k * dv))
+                            tile * (block_k * d))
+            which -= 1
+        if vn is not None:
+            if which == 0:
+                src, n_valid = key_tile(tile, n_blocks, block_k, n_k, dv)
+                values_task(vf, src, dv, n_valid, dv, dv, block_k, w, False, vn.reshape(-1),
+                            tile * (block_k * dv))
 
 
 @kernel(read_only=("kf", "vf", "cu_k", "seqs"))
@@ -238,9 +243,18 @@ PLAIN_PAGES_FROM_BYTES = 32 << 20
 ALIGN_BYTES = 64
 
 
+def address(x):
+    """Where ``x``'s first element is in memory. ``x.ctypes.data`` builds a ctypes object (1.1
+    us); a ctypes view of a writeable C-contiguous buffer takes 0.37 us, what a small call pays
+    for its output and its in-place V."""
+    if x.flags.writeable and x.flags.c_contiguous and x.nbytes > 0:
+        return ctypes.addressof(ctypes.c_char.from_buffer(x))
+    return x.ctypes.data
+
+
 def aligned(x):
     """Whether ``x`` starts on a cache line (``ALIGN_BYTES``)."""
-    return x.ctypes.data % ALIGN_BYTES == 0
+    return address(x) % ALIGN_BYTES == 0
 
 
 @helper
@@ -261,7 +275,7 @@ def on_line(shape, dtype, zeroed=False):
     dtype = np.dtype(dtype)
     n_bytes = (math.prod(shape) if isinstance(shape, tuple) else int(shape)) * dtype.itemsize
     raw = (np.zeros if zeroed else np.empty)(n_bytes + ALIGN_BYTES, dtype=np.uint8)
-    start = -raw.ctypes.data % ALIGN_BYTES
+    start = -address(raw) % ALIGN_BYTES
     return raw[start:start + n_bytes].view(dtype).reshape(shape)
 
 
@@ -275,6 +289,21 @@ def empty(shape, dtype):
         return on_line(shape, dtype)
     mapping = mmap.mmap(-1, size * dtype.itemsize)
     return np.frombuffer(mapping, dtype=dtype, count=size).reshape(shape)
+
+
+# Outputs below this size come straight from ``np.empty`` (``output``): a line-aligned one
+# costs 3 us more here (a buffer one line longer, its address, a view), a twentieth of a
+# 60-us call at H=1, N=17, while its rows' vector stores are a few hundred at most.
+ALIGNED_OUTPUT_FROM_BYTES = 64 << 10
+
+
+def output(shape, dtype):
+    """A call's result array, C-contiguous and writeable: ``empty``'s from
+    ``ALIGNED_OUTPUT_FROM_BYTES`` on, ``np.empty``'s below (aligned to numpy's 16 bytes)."""
+    dtype = np.dtype(dtype)
+    if math.prod(shape) * dtype.itemsize < ALIGNED_OUTPUT_FROM_BYTES:
+        return np.empty(shape, dtype)
+    return empty(shape, dtype)
 
 
 # Packed buffers up to this size are kept per Python thread and reused by the next call: a

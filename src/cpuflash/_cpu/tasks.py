@@ -93,13 +93,46 @@ def next_task(claims, worker, n_workers, n_tasks):
     return -1
 
 
+# The threading layer's own functions, for the calls' per-call questions. Numba's public
+# ``get_num_threads`` and ``set_parallel_chunksize`` take a multiprocessing lock on every call
+# (``_launch_threads``, which returns at once once the layer runs): 1.8 and 2.3 us here, the
+# layer's functions themselves 0.26 and 0.66. A call asked for the thread count twice and set
+# the chunk size twice: 8 us of a 50 us call at H=1, N=17.
+_layer = None
+
+
+def _threading_layer():
+    """``(num_threads, get_chunksize, set_chunksize)``: the threading layer's functions once it
+    runs (started here on the first call, as Numba's public functions would); Numba's public
+    ones where this Numba lacks them."""
+    global _layer
+    if _layer is None:
+        numba.get_num_threads()  # starts the layer, once
+        from numba.np.ufunc import parallel
+        raw = [getattr(parallel, name, None) for name in
+               ("_get_num_threads", "_get_parallel_chunksize", "_set_parallel_chunksize")]
+        _layer = tuple(raw) if all(callable(f) for f in raw) else (
+            numba.get_num_threads, numba.get_parallel_chunksize, numba.set_parallel_chunksize)
+    return _layer
+
+
+def num_threads():
+    """``numba.get_num_threads()`` (the threads this Python thread's kernels use), without its
+    lock (``_threading_layer``)."""
+    return _threading_layer()[0]()
+
+
 def run_shared(kernel, *args):
     """``kernel(*args, n_threads)``, a kernel whose tasks its workers share out
-    (``next_task``), one worker per thread: Numba's chunk size is 1 for the call (per thread,
-    set and restored: a caller's own parallel code keeps its schedule), so that each thread
-    gets one worker whatever chunk size the caller set."""
-    old = numba.set_parallel_chunksize(1)
+    (``next_task``), one worker per thread. A static schedule with Numba's default chunk size
+    (0) or 1 deals one worker to each thread; a larger one, which a caller may have set for
+    its own parallel code, would deal two workers to one thread and serialize them: then the
+    chunk size is 1 for the call (per thread, set and restored)."""
+    n_threads, get_chunksize, set_chunksize = _threading_layer()
+    if get_chunksize() <= 1:
+        return kernel(*args, n_threads())
+    old = set_chunksize(1)
     try:
-        return kernel(*args, numba.get_num_threads())
+        return kernel(*args, n_threads())
     finally:
-        numba.set_parallel_chunksize(old)
+        set_chunksize(old)
