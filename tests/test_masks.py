@@ -355,3 +355,28 @@ def test_dropout_scales_by_one_over_one_minus_p_in_float64(kernels, n_q):
                                               causal=True)
     np.testing.assert_allclose(packed.transpose(1, 0, 2)[None],
                                reference.attention(q, k, v, **ref_opts), rtol=0, atol=1e-13)
+
+
+@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize("band", [(0, 0), (0, 7), (5, 0), (3, 2), (10**9, 0), (0, 10**9)],
+                         ids=str)
+@pytest.mark.parametrize("tile", [(0, 0), (0, 64), (32, 64), (96, 0), (40, 128)], ids=str)
+def test_mask_tile_sets_exactly_the_keys_outside_each_rows_band(portable, band, tile):
+    """``masking.mask_tile`` (whole vectors, then scalars; scalars only when portable) against
+    numpy: a row ``i`` sees keys ``[i + off - left, i + off + right]`` within ``[0, kv_len)``
+    (``off = kv_len - n_q``: bottom-right); every other score of the tile becomes ``-inf``,
+    the rest keeps its bits, and the columns past the tile (``ld > block_k``) are untouched."""
+    from cpuflash._cpu.masking import mask_tile
+    left, right = band
+    q0, k0 = tile
+    rows, block_k, ld, n_q, kv_len = 37, 64, 80, 140, 150
+    rng = np.random.default_rng(sum(tile) + left % 97 + right % 89)
+    s = rng.standard_normal(rows * ld).astype(np.float32)
+    expected = s.copy().reshape(rows, ld)
+    i = q0 + np.arange(rows)[:, None]
+    j = k0 + np.arange(block_k)[None, :]
+    off = kv_len - n_q
+    seen = (j >= np.maximum(0, i + off - left)) & (j <= np.minimum(kv_len - 1, i + off + right))
+    expected[:, :block_k][~seen] = -np.inf
+    mask_tile(s, ld, rows, q0, k0, block_k, n_q, kv_len, left, right, -np.inf, portable)
+    assert np.array_equal(s.reshape(rows, ld), expected)

@@ -172,7 +172,7 @@ def backward(qp, dout, lse_p, delta, kt, vtt, kn, block_q, d_pad, dv_pad,
                                             max_unused)
                         if tile_needs_mask(q0, q0 + rows, k0, block_k, n_q, n_k, left, right):
                             mask_tile(s, ld_s, rows, q0, k0, block_k, n_q, n_k, left, right,
-                                      -np.inf)
+                                      -np.inf, PORTABLE)
                         for r in range(block_q):
                             exp_shifted(s, r * ld_s, block_k, lse_r[r], PORTABLE)
                         # Padding rows: P = 0 exactly, even where a NaN key made their score NaN.

@@ -163,7 +163,8 @@ def forward(q, kt, vt, n_hkv, block_q, scale, left, right, seqs, kv_lens, softca
                         for r in range(rows, bq):
                             tile_max[r] = row_max(s, r * ld_s, block_k, PORTABLE)
                 if tile_needs_mask(q0, q0 + rows, k0, block_k, n_q, n_k, left, right):
-                    mask_tile(s, ld_s, rows, q0, k0, block_k, n_q, n_k, left, right, -np.inf)
+                    mask_tile(s, ld_s, rows, q0, k0, block_k, n_q, n_k, left, right, -np.inf,
+                              PORTABLE)
                     max_given = False
                 online_softmax(s, 0, ld_s, block_k, bq, m_i, l_tile_sums, alpha_i, tile_max,
                                max_given, True, PORTABLE)

@@ -55,17 +55,32 @@ def tile_needs_mask(q0, q1, k0, block_k, n_q, kv_len, left, right):
 
 
 @helper
-def mask_tile(s, ld, rows, q0, k0, block_k, n_q, kv_len, left, right, masked):
+def fill(s, start, stop, value, portable):
+    """``s[start:stop] = value``: whole vectors from ``start`` (unaligned stores), then the rest
+    one by one; all one by one if ``portable``."""
+    j = start
+    if not portable:
+        lanes = simd.lanes_of(s)
+        value_v = simd.vsplat(s, value)
+        while j + lanes <= stop:
+            simd.vstore(s, j, value_v)
+            j += lanes
+    while j < stop:
+        s[j] = value
+        j += 1
+
+
+@helper
+def mask_tile(s, ld, rows, q0, k0, block_k, n_q, kv_len, left, right, masked, portable):
     """Set the scores of rows ``q0 + r`` (``r < rows``) for keys outside their band to
-    ``masked`` (``-inf``)."""
+    ``masked`` (``-inf``), each row's two runs by ``fill`` (one by one, a causal 64-token
+    prompt's diagonal tiles took 9 % of its forward pass)."""
     for r in range(rows):
         first, last = row_band(q0 + r, n_q, kv_len, left, right)
         lo = min(block_k, max(0, first - k0))      # tile columns before the band
         hi = max(lo, min(block_k, last - k0 + 1))  # tile columns in the band end here
-        for j in range(lo):
-            s[r * ld + j] = masked
-        for j in range(hi, block_k):
-            s[r * ld + j] = masked
+        fill(s, r * ld, r * ld + lo, masked, portable)
+        fill(s, r * ld + hi, r * ld + block_k, masked, portable)
 
 
 @helper
