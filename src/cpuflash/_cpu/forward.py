@@ -38,7 +38,7 @@ from . import sequences, simd
 from ._jit import helper, kernel, portable_twin
 from .sequences import BLOCK_Q, N_Q, N_QB, Q_BATCH, Q_ROW0, TASK0, TILE0, TILES, find_task
 from .tasks import new_claims, next_task, num_threads, run_shared
-from .decode import arrays_of_blocks, run_decode
+from .decode import MAX_NQ, arrays_of_blocks, run_decode
 from ..masks import UserMask
 from .pack import empty, output, packed_kv, packed_varlen, scratch
 from .masking import (HIDDEN, MIXED, apply_user_mask, mask_tile, tile_key_range,
@@ -227,16 +227,20 @@ def run_forward(q, k, v, scale, band, mods, user_mask, drop, portable, out=None,
         out[...] = 0.0
         lse[...] = -np.inf
         return out, lse
-    decoded = (run_decode(q, k, v, scale, band, mods, user_mask, drop, out, kv_scales, lse,
-                          kv_blocks) if not portable else None)
-    if decoded is not None:
-        return decoded
+    if n_q <= MAX_NQ and not portable:  # (a call's first microsecond: asked only where it may)
+        decoded = run_decode(q, k, v, scale, band, mods, user_mask, drop, out, kv_scales, lse,
+                             kv_blocks)
+        if decoded is not None:
+            return decoded
     if kv_blocks is not None:
         k, v = arrays_of_blocks(kv_blocks, n_k)
     left, right, kv_lens = band
     if kv_scales is not None:  # int8 times its per-token scale, in the compute dtype
         k, v = (x * x_scale[..., None].astype(q.dtype) for x, x_scale in zip((k, v), kv_scales))
-    k, v = (x if x.dtype == q.dtype else x.astype(q.dtype) for x in (k, v))
+    if k.dtype != q.dtype:
+        k = k.astype(q.dtype)
+    if v.dtype != q.dtype:
+        v = v.astype(q.dtype)
     block_k = config.block_k(d, n_k)
     kt, vt = packed_kv(k, v, block_k, config.lanes(q.dtype), config.panel_width(q.dtype))
     block_q = config.block_q(n_q, d, n_b * n_hq, num_threads())
