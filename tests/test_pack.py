@@ -51,6 +51,23 @@ def test_buffers_start_on_a_cache_line(n):
     assert _scratch_offsets(n) == 0
 
 
+@pytest.mark.parametrize("shape", [(1, 1, 17, 16), (1, 16, 64, 64), (2, 3, 1000, 40)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_outputs_and_addresses(shape, dtype):
+    """A call's output (``pack.output``): from numpy below ALIGNED_OUTPUT_FROM_BYTES, on a cache
+    line from there on; ``pack.address`` is ``ctypes.data`` for writeable, read-only, strided
+    and empty arrays alike."""
+    x = pack.output(shape, dtype)
+    assert x.shape == shape and x.dtype == dtype and x.flags.c_contiguous and x.flags.writeable
+    small = x.nbytes < pack.ALIGNED_OUTPUT_FROM_BYTES
+    assert (x.base is None) == small
+    assert small or pack.aligned(x)
+    read_only = x[:, ::2]
+    read_only.flags.writeable = False
+    for y in (x, x[:, 1:], x[..., ::3], read_only, x[:, :0]):
+        assert pack.address(y) == y.ctypes.data
+
+
 @numba.njit
 def _scratch_offsets(n):
     worst = 0

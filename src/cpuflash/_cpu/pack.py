@@ -299,9 +299,11 @@ ALIGNED_OUTPUT_FROM_BYTES = 64 << 10
 
 def output(shape, dtype):
     """A call's result array, C-contiguous and writeable: ``empty``'s from
-    ``ALIGNED_OUTPUT_FROM_BYTES`` on, ``np.empty``'s below (aligned to numpy's 16 bytes)."""
+    ``ALIGNED_OUTPUT_FROM_BYTES`` (or ``PLAIN_PAGES_FROM_BYTES``, where that is lower) on,
+    ``np.empty``'s below (aligned to numpy's 16 bytes)."""
     dtype = np.dtype(dtype)
-    if math.prod(shape) * dtype.itemsize < ALIGNED_OUTPUT_FROM_BYTES:
+    n_bytes = math.prod(shape) * dtype.itemsize
+    if n_bytes < ALIGNED_OUTPUT_FROM_BYTES and n_bytes < PLAIN_PAGES_FROM_BYTES:
         return np.empty(shape, dtype)
     return empty(shape, dtype)
 
