@@ -227,7 +227,7 @@ def run_forward(q, k, v, scale, band, mods, user_mask, drop, portable, out=None,
         out[...] = 0.0
         lse[...] = -np.inf
         return out, lse
-    if n_q <= MAX_NQ and not portable:  # (a call's first microsecond: asked only where it may)
+    if n_q <= MAX_NQ and not portable:  # the decode path's calls (asking costs a microsecond)
         decoded = run_decode(q, k, v, scale, band, mods, user_mask, drop, out, kv_scales, lse,
                              kv_blocks)
         if decoded is not None:
