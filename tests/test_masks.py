@@ -380,3 +380,45 @@ def test_mask_tile_sets_exactly_the_keys_outside_each_rows_band(portable, band, 
     expected[:, :block_k][~seen] = -np.inf
     mask_tile(s, ld, rows, q0, k0, block_k, n_q, kv_len, left, right, -np.inf, portable)
     assert np.array_equal(s.reshape(rows, ld), expected)
+
+
+@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize("case", [
+    # (q0, rows, k0, n_q, n_k, left, right): a causal diagonal tile, bottom-right offsets, a
+    # window, kv_len inside the tile, padding rows, row blocks that see no key of the tile
+    (0, 128, 0, 512, 512, 10**9, 0), (128, 128, 128, 300, 300, 10**9, 0),
+    (0, 70, 0, 70, 70, 10**9, 0), (0, 128, 64, 256, 200, 10**9, 0),
+    (0, 128, 0, 256, 90, 10**9, 10**9), (64, 128, 128, 512, 512, 30, 5),
+    (0, 128, 128, 256, 256, 10**9, 0), (0, 70, 0, 70, 60, 10**9, 0)], ids=str)
+def test_band_scores_leave_the_masked_tile_as_the_whole_product_does(portable, case):
+    """``forward.band_scores`` skips, per block of micro-tile rows, the key panels past the last
+    key one of its rows sees; after ``mask_tile`` the tile is the same, bit for bit, as the whole
+    product's (``tile_product_max``), the skipped scores' garbage (NaN here) included."""
+    from cpuflash import config
+    from cpuflash._cpu.forward import band_scores
+    from cpuflash._cpu.masking import mask_tile
+    from cpuflash._cpu.tiles import tile_product_max
+    q0, rows, k0, n_q, n_k, left, right = case
+    bq, block_k, d = 128, 2 * config.panel_width(np.dtype(np.float32)), 32
+    lanes = config.LANES_F32
+    ld_s = block_k + lanes
+    rng = np.random.default_rng(sum(case) % 1000)
+    q_s = rng.standard_normal(bq * d).astype(np.float32)
+    q_s[rows * d:] = 0.0  # padding rows, as the forward kernel's
+    kt = rng.standard_normal(d * block_k).astype(np.float32)
+    results = []
+    for banded in (False, True):
+        s = np.full(bq * ld_s, np.nan, dtype=np.float32)
+        row_vmax = np.empty(bq * lanes, dtype=np.float32)
+        tile_max = np.empty(bq, dtype=np.float32)
+        if banded:
+            band_scores(s, ld_s, q_s, d, kt, 0, bq, block_k, row_vmax, tile_max, q0, rows, k0,
+                        n_q, n_k, left, right, portable)
+        else:
+            tile_product_max(s, 0, ld_s, q_s, 0, d, 1, kt, 0, d, bq, block_k, d, row_vmax,
+                             tile_max, portable)
+        mask_tile(s, ld_s, rows, q0, k0, block_k, n_q, n_k, left, right, -np.inf, portable)
+        results.append(s.reshape(bq, ld_s)[:, :block_k])
+    whole, banded = results
+    assert np.isfinite(whole[rows:]).all()  # padding rows: computed whole, never garbage
+    np.testing.assert_array_equal(banded, whole)

@@ -41,7 +41,7 @@ from .tasks import new_claims, next_task, num_threads, run_shared
 from .decode import MAX_NQ, arrays_of_blocks, run_decode
 from ..masks import UserMask
 from .pack import empty, output, packed_kv, packed_varlen, scratch
-from .masking import (HIDDEN, MIXED, apply_user_mask, mask_tile, tile_key_range,
+from .masking import (HIDDEN, MIXED, apply_user_mask, mask_tile, row_band, tile_key_range,
                       tile_needs_mask)
 from .dropout import dropout_row
 from .scores import modify_row
@@ -63,6 +63,40 @@ def balanced_order(j, n):
     contiguous range (``tasks.next_task``): its first and last tasks, the ones a faster thread
     takes over, are then of every cost."""
     return j // 2 if j % 2 == 0 else n - 1 - j // 2
+
+
+@helper
+def band_scores(s, ld_s, q_s, d, kt_flat, k_off, bq, block_k, row_vmax, tile_max, q0, rows,
+                k0, n_q, n_k, left, right, portable):
+    """``tile_product_max`` over a key tile that crosses a mask edge, each block of
+    ``MICRO_ROWS`` rows over only the panels (``panel_width`` keys) up to the last key one of
+    its rows sees: on a causal diagonal tile of 128 rows and 128 keys, the first 64 rows see
+    none of the second panel, a quarter of the tile's product. The scores left out are all
+    outside their rows' bands, and ``mask_tile`` sets every such score to ``-inf`` next, so the
+    masked tile is the same, bit for bit; its row maxima are then read again from it
+    (``max_given`` false), not taken from here. Padding rows past ``rows``, which the mask
+    leaves alone, get every panel (their scores 0, as Q is zero there)."""
+    mr = config.MICRO_ROWS
+    width = config.MICRO_VECS * simd.lanes_of(s)
+    r0 = 0
+    while r0 < bq:
+        need = block_k
+        if r0 + mr <= rows:
+            last = row_band(q0 + r0 + mr - 1, n_q, n_k, left, right)[1] - k0  # tile column
+            need = min(block_k, max(0, (last + width) // width * width))
+        r1 = r0 + mr
+        while r1 < bq:  # the following row blocks that need as many panels
+            need1 = block_k
+            if r1 + mr <= rows:
+                last1 = row_band(q0 + r1 + mr - 1, n_q, n_k, left, right)[1] - k0
+                need1 = min(block_k, max(0, (last1 + width) // width * width))
+            if need1 != need:
+                break
+            r1 += mr
+        if need > 0:
+            tile_product_max(s, r0 * ld_s, ld_s, q_s, r0 * d, d, 1, kt_flat, k_off, d, r1 - r0,
+                             need, d, row_vmax, tile_max[r0:], portable)
+        r0 = r1
 
 
 @kernel(strided=("q", "mask_bools", "mask_adds", "tile_state"),
@@ -145,8 +179,13 @@ def forward(q, kt, vt, n_hkv, block_q, scale, left, right, seqs, kv_lens, softca
                 k0 = kb * block_k
                 k_off = (tile0 + kb) * tile_k
                 v_off = (tile0 + kb) * tile_v
-                tile_product_max(s, 0, ld_s, q_s, 0, d, 1, kt_flat, k_off, d, bq, block_k, d,
-                                 row_vmax, tile_max, PORTABLE)
+                masked = tile_needs_mask(q0, q0 + rows, k0, block_k, n_q, n_k, left, right)
+                if masked:  # only the panels of keys each row block may see (see band_scores)
+                    band_scores(s, ld_s, q_s, d, kt_flat, k_off, bq, block_k, row_vmax,
+                                tile_max, q0, rows, k0, n_q, n_k, left, right, PORTABLE)
+                else:
+                    tile_product_max(s, 0, ld_s, q_s, 0, d, 1, kt_flat, k_off, d, bq, block_k,
+                                     d, row_vmax, tile_max, PORTABLE)
                 # The row maxima came with the product (a pass over S saved); the modifiers and
                 # masks below say whether they still hold.
                 max_given = not modify
@@ -162,7 +201,7 @@ def forward(q, kt, vt, n_hkv, block_q, scale, left, right, seqs, kv_lens, softca
                     if max_given:  # padding rows: their scores are 0 (Q zero-padded), or NaN
                         for r in range(rows, bq):
                             tile_max[r] = row_max(s, r * ld_s, block_k, PORTABLE)
-                if tile_needs_mask(q0, q0 + rows, k0, block_k, n_q, n_k, left, right):
+                if masked:
                     mask_tile(s, ld_s, rows, q0, k0, block_k, n_q, n_k, left, right, -np.inf,
                               PORTABLE)
                     max_given = False
