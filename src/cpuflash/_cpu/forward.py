@@ -66,6 +66,17 @@ def balanced_order(j, n):
 
 
 @helper
+def band_columns(r0, mr, rows, q0, k0, n_q, n_k, left, right, block_k, width):
+    """The tile columns that the ``mr`` rows from tile row ``r0`` need computed: whole panels
+    of ``width`` keys up to the last key one of them sees (a row's last key grows with the row),
+    none if they see no key of the tile; every column for a block with padding rows."""
+    if r0 + mr > rows:
+        return block_k
+    last = row_band(q0 + r0 + mr - 1, n_q, n_k, left, right)[1] - k0  # a tile column
+    return min(block_k, max(0, (last + width) // width * width))
+
+
+@helper
 def band_scores(s, ld_s, q_s, d, kt_flat, k_off, bq, block_k, row_vmax, tile_max, q0, rows,
                 k0, n_q, n_k, left, right, portable):
     """``tile_product_max`` over a key tile that crosses a mask edge, each block of
@@ -80,19 +91,11 @@ def band_scores(s, ld_s, q_s, d, kt_flat, k_off, bq, block_k, row_vmax, tile_max
     width = config.MICRO_VECS * simd.lanes_of(s)
     r0 = 0
     while r0 < bq:
-        need = block_k
-        if r0 + mr <= rows:
-            last = row_band(q0 + r0 + mr - 1, n_q, n_k, left, right)[1] - k0  # tile column
-            need = min(block_k, max(0, (last + width) // width * width))
-        r1 = r0 + mr
-        while r1 < bq:  # the following row blocks that need as many panels
-            need1 = block_k
-            if r1 + mr <= rows:
-                last1 = row_band(q0 + r1 + mr - 1, n_q, n_k, left, right)[1] - k0
-                need1 = min(block_k, max(0, (last1 + width) // width * width))
-            if need1 != need:
-                break
-            r1 += mr
+        need = band_columns(r0, mr, rows, q0, k0, n_q, n_k, left, right, block_k, width)
+        r1 = min(r0 + mr, bq)  # (query blocks are whole micro-tiles: the min only guards)
+        while r1 < bq and band_columns(r1, mr, rows, q0, k0, n_q, n_k, left, right, block_k,
+                                       width) == need:  # the next blocks that need as many
+            r1 = min(r1 + mr, bq)
         if need > 0:
             tile_product_max(s, r0 * ld_s, ld_s, q_s, r0 * d, d, 1, kt_flat, k_off, d, r1 - r0,
                              need, d, row_vmax, tile_max[r0:], portable)
