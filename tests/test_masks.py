@@ -412,8 +412,8 @@ def test_band_scores_leave_the_masked_tile_as_the_whole_product_does(portable, c
         row_vmax = np.empty(bq * lanes, dtype=np.float32)
         tile_max = np.empty(bq, dtype=np.float32)
         if banded:
-            band_scores(s, ld_s, q_s, d, kt, 0, bq, block_k, row_vmax, tile_max, q0, rows, k0,
-                        n_q, n_k, left, right, portable)
+            band_scores(s, ld_s, q_s, d, kt, 0, bq, block_k, row_vmax, tile_max, True, q0, rows,
+                        k0, n_q, n_k, left, right, portable)
         else:
             tile_product_max(s, 0, ld_s, q_s, 0, d, 1, kt, 0, d, bq, block_k, d, row_vmax,
                              tile_max, portable)

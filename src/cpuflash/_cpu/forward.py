@@ -66,35 +66,41 @@ def balanced_order(j, n):
 
 
 @helper
-def band_columns(r0, mr, rows, q0, k0, n_q, n_k, left, right, block_k, width):
-    """The tile columns that the ``mr`` rows from tile row ``r0`` need computed: whole panels
-    of ``width`` keys up to the last key one of them sees (a row's last key grows with the row),
-    none if they see no key of the tile; every column for a block with padding rows."""
-    if r0 + mr > rows:
+def band_columns(banded, r0, mr, rows, q0, k0, n_q, n_k, left, right, block_k, width):
+    """The tile columns that the ``mr`` rows from tile row ``r0`` need computed: if ``banded``,
+    whole panels of ``width`` keys up to the last key one of them sees (a row's last key grows
+    with the row), none if they see no key of the tile; every column for a block with padding
+    rows, or if not ``banded``."""
+    if not banded or r0 + mr > rows:
         return block_k
     last = row_band(q0 + r0 + mr - 1, n_q, n_k, left, right)[1] - k0  # a tile column
     return min(block_k, max(0, (last + width) // width * width))
 
 
 @helper
-def band_scores(s, ld_s, q_s, d, kt_flat, k_off, bq, block_k, row_vmax, tile_max, q0, rows,
-                k0, n_q, n_k, left, right, portable):
-    """``tile_product_max`` over a key tile that crosses a mask edge, each block of
-    ``MICRO_ROWS`` rows over only the panels (``panel_width`` keys) up to the last key one of
-    its rows sees: on a causal diagonal tile of 128 rows and 128 keys, the first 64 rows see
-    none of the second panel, a quarter of the tile's product. The scores left out are all
+def band_scores(s, ld_s, q_s, d, kt_flat, k_off, bq, block_k, row_vmax, tile_max, banded, q0,
+                rows, k0, n_q, n_k, left, right, portable):
+    """``tile_product_max`` over a key tile; on one that crosses a mask edge (``banded``), each
+    block of ``MICRO_ROWS`` rows over only the panels (``panel_width`` keys) up to the last key
+    one of its rows sees: on a causal diagonal tile of 128 rows and 128 keys, the first 64 rows
+    see none of the second panel, a quarter of the tile's product. The scores left out are all
     outside their rows' bands, and ``mask_tile`` sets every such score to ``-inf`` next, so the
     masked tile is the same, bit for bit; its row maxima are then read again from it
     (``max_given`` false), not taken from here. Padding rows past ``rows``, which the mask
-    leaves alone, get every panel (their scores 0, as Q is zero there)."""
+    leaves alone, get every panel (their scores 0, as Q is zero there). A tile not ``banded``
+    is one product over every row, from the same call: each call of the product inlines its
+    micro-kernels, and with a second call in the kernel the float32 forward's cold compile took
+    2.7-4.8 s longer than without ``band_scores`` (22.8 s against 18.0-20.1), with this one
+    call 0.7-2.3 s longer (stop 51, alternating processes, each with an empty cache)."""
     mr = config.MICRO_ROWS
     width = config.MICRO_VECS * simd.lanes_of(s)
     r0 = 0
     while r0 < bq:
-        need = band_columns(r0, mr, rows, q0, k0, n_q, n_k, left, right, block_k, width)
+        need = band_columns(banded, r0, mr, rows, q0, k0, n_q, n_k, left, right, block_k,
+                            width)
         r1 = min(r0 + mr, bq)  # (query blocks are whole micro-tiles: the min only guards)
-        while r1 < bq and band_columns(r1, mr, rows, q0, k0, n_q, n_k, left, right, block_k,
-                                       width) == need:  # the next blocks that need as many
+        while r1 < bq and band_columns(banded, r1, mr, rows, q0, k0, n_q, n_k, left, right,
+                                       block_k, width) == need:  # the next ones needing as many
             r1 = min(r1 + mr, bq)
         if need > 0:
             tile_product_max(s, r0 * ld_s, ld_s, q_s, r0 * d, d, 1, kt_flat, k_off, d, r1 - r0,
@@ -183,12 +189,10 @@ def forward(q, kt, vt, n_hkv, block_q, scale, left, right, seqs, kv_lens, softca
                 k_off = (tile0 + kb) * tile_k
                 v_off = (tile0 + kb) * tile_v
                 masked = tile_needs_mask(q0, q0 + rows, k0, block_k, n_q, n_k, left, right)
-                if masked:  # only the panels of keys each row block may see (see band_scores)
-                    band_scores(s, ld_s, q_s, d, kt_flat, k_off, bq, block_k, row_vmax,
-                                tile_max, q0, rows, k0, n_q, n_k, left, right, PORTABLE)
-                else:
-                    tile_product_max(s, 0, ld_s, q_s, 0, d, 1, kt_flat, k_off, d, bq, block_k,
-                                     d, row_vmax, tile_max, PORTABLE)
+                # S = Q K^T with its row maxima; on a masked tile only the key panels each row
+                # block may see (band_scores)
+                band_scores(s, ld_s, q_s, d, kt_flat, k_off, bq, block_k, row_vmax, tile_max,
+                            masked, q0, rows, k0, n_q, n_k, left, right, PORTABLE)
                 # The row maxima came with the product (a pass over S saved); the modifiers and
                 # masks below say whether they still hold.
                 max_given = not modify
