@@ -382,6 +382,7 @@ def test_mask_tile_sets_exactly_the_keys_outside_each_rows_band(portable, band, 
     assert np.array_equal(s.reshape(rows, ld), expected)
 
 
+@pytest.mark.parametrize("banded", [True, False])
 @pytest.mark.parametrize("portable", [False, True])
 @pytest.mark.parametrize("case", [
     # (q0, rows, k0, n_q, n_k, left, right): a causal diagonal tile, bottom-right offsets, a
@@ -390,10 +391,11 @@ def test_mask_tile_sets_exactly_the_keys_outside_each_rows_band(portable, band, 
     (0, 70, 0, 70, 70, 10**9, 0), (0, 128, 64, 256, 200, 10**9, 0),
     (0, 128, 0, 256, 90, 10**9, 10**9), (64, 128, 128, 512, 512, 30, 5),
     (0, 128, 128, 256, 256, 10**9, 0), (0, 70, 0, 70, 60, 10**9, 0)], ids=str)
-def test_band_scores_leave_the_masked_tile_as_the_whole_product_does(portable, case):
+def test_band_scores_leave_the_masked_tile_as_the_whole_product_does(banded, portable, case):
     """``forward.band_scores`` skips, per block of micro-tile rows, the key panels past the last
     key one of its rows sees; after ``mask_tile`` the tile is the same, bit for bit, as the whole
-    product's (``tile_product_max``), the skipped scores' garbage (NaN here) included."""
+    product's (``tile_product_max``), the skipped scores' garbage (NaN here) included; not
+    ``banded``, it is the whole product itself."""
     from cpuflash import config
     from cpuflash._cpu.forward import band_scores
     from cpuflash._cpu.masking import mask_tile
@@ -412,8 +414,8 @@ def test_band_scores_leave_the_masked_tile_as_the_whole_product_does(portable, c
         row_vmax = np.empty(bq * lanes, dtype=np.float32)
         tile_max = np.empty(bq, dtype=np.float32)
         if banded:
-            band_scores(s, ld_s, q_s, d, kt, 0, bq, block_k, row_vmax, tile_max, True, q0, rows,
-                        k0, n_q, n_k, left, right, portable)
+            band_scores(s, ld_s, q_s, d, kt, 0, bq, block_k, row_vmax, tile_max, banded, q0,
+                        rows, k0, n_q, n_k, left, right, portable)
         else:
             tile_product_max(s, 0, ld_s, q_s, 0, d, 1, kt, 0, d, bq, block_k, d, row_vmax,
                              tile_max, portable)

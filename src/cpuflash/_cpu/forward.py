@@ -41,8 +41,8 @@ from .tasks import new_claims, next_task, num_threads, run_shared
 from .decode import MAX_NQ, arrays_of_blocks, run_decode
 from ..masks import UserMask
 from .pack import empty, output, packed_kv, packed_varlen, scratch
-from .masking import (HIDDEN, MIXED, apply_user_mask, mask_tile, row_band, tile_key_range,
-                      tile_needs_mask)
+from .masking import (HIDDEN, MIXED, apply_user_mask, band_columns, mask_tile,
+                      tile_key_range, tile_needs_mask)
 from .dropout import dropout_row
 from .scores import modify_row
 from .tiles import (divide_row, online_softmax, row_max, scale_row, tile_product_max,
@@ -66,18 +66,6 @@ def balanced_order(j, n):
 
 
 @helper
-def band_columns(banded, r0, mr, rows, q0, k0, n_q, n_k, left, right, block_k, width):
-    """The tile columns that the ``mr`` rows from tile row ``r0`` need computed: if ``banded``,
-    whole panels of ``width`` keys up to the last key one of them sees (a row's last key grows
-    with the row), none if they see no key of the tile; every column for a block with padding
-    rows, or if not ``banded``."""
-    if not banded or r0 + mr > rows:
-        return block_k
-    last = row_band(q0 + r0 + mr - 1, n_q, n_k, left, right)[1] - k0  # a tile column
-    return min(block_k, max(0, (last + width) // width * width))
-
-
-@helper
 def band_scores(s, ld_s, q_s, d, kt_flat, k_off, bq, block_k, row_vmax, tile_max, banded, q0,
                 rows, k0, n_q, n_k, left, right, portable):
     """``tile_product_max`` over a key tile; on one that crosses a mask edge (``banded``), each
@@ -96,12 +84,14 @@ def band_scores(s, ld_s, q_s, d, kt_flat, k_off, bq, block_k, row_vmax, tile_max
     width = config.MICRO_VECS * simd.lanes_of(s)
     r0 = 0
     while r0 < bq:
-        need = band_columns(banded, r0, mr, rows, q0, k0, n_q, n_k, left, right, block_k,
-                            width)
-        r1 = min(r0 + mr, bq)  # (query blocks are whole micro-tiles: the min only guards)
-        while r1 < bq and band_columns(banded, r1, mr, rows, q0, k0, n_q, n_k, left, right,
-                                       block_k, width) == need:  # the next ones needing as many
-            r1 = min(r1 + mr, bq)
+        if not banded:  # every row over every key: one product
+            need, r1 = block_k, bq
+        else:  # the next row blocks that need as many panels, together
+            need = band_columns(r0, mr, rows, q0, k0, n_q, n_k, left, right, block_k, width)
+            r1 = min(r0 + mr, bq)  # (query blocks are whole micro-tiles: the min only guards)
+            while r1 < bq and band_columns(r1, mr, rows, q0, k0, n_q, n_k, left, right,
+                                           block_k, width) == need:
+                r1 = min(r1 + mr, bq)
         if need > 0:
             tile_product_max(s, r0 * ld_s, ld_s, q_s, r0 * d, d, 1, kt_flat, k_off, d, r1 - r0,
                              need, d, row_vmax, tile_max[r0:], portable)

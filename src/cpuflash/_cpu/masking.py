@@ -12,7 +12,9 @@ element-wise masking:
 
 * ``tile_key_range``: the key tiles a block of rows sees at all;
 * ``tile_needs_mask``: whether a visible tile crosses an edge of the band;
-* ``mask_tile``: set the scores outside the band to ``-inf``.
+* ``mask_tile``: set the scores outside the band to ``-inf``;
+* ``band_columns``: on such a tile, the key panels a block of rows needs computed at all (the
+  forward's score product skips the rest, which ``mask_tile`` then overwrites).
 
 A caller's bool/float mask comes with a small table of tile states (``masks.tile_states``):
 ``HIDDEN`` tiles are skipped like tiles outside the band, ``CLEAR`` tiles (all True, or all 0.0)
@@ -52,6 +54,18 @@ def tile_needs_mask(q0, q1, k0, block_k, n_q, kv_len, left, right):
     first_hi = row_band(q1 - 1, n_q, kv_len, left, right)[0]  # the largest first key
     last_lo = row_band(q0, n_q, kv_len, left, right)[1]       # the smallest last key
     return k0 < first_hi or k0 + block_k - 1 > last_lo
+
+
+@helper
+def band_columns(r0, mr, rows, q0, k0, n_q, kv_len, left, right, block_k, width):
+    """The columns of the key tile from key ``k0`` that the ``mr`` tile rows from ``r0`` (query
+    rows ``q0 + r0 ..``) need computed: whole panels of ``width`` keys up to the last key one
+    of them sees (a row's last key grows with the row), 0 if they see none of the tile's; all
+    ``block_k`` for a block that holds padding rows (past ``rows``), which no mask covers."""
+    if r0 + mr > rows:
+        return block_k
+    last = row_band(q0 + r0 + mr - 1, n_q, kv_len, left, right)[1] - k0  # a tile column
+    return min(block_k, max(0, (last + width) // width * width))
 
 
 @helper
