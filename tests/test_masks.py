@@ -409,18 +409,80 @@ def test_band_scores_leave_the_masked_tile_as_the_whole_product_does(banded, por
     q_s[rows * d:] = 0.0  # padding rows, as the forward kernel's
     kt = rng.standard_normal(d * block_k).astype(np.float32)
     results = []
-    for banded in (False, True):
+    for by_band in (False, True):
         s = np.full(bq * ld_s, np.nan, dtype=np.float32)
         row_vmax = np.empty(bq * lanes, dtype=np.float32)
         tile_max = np.empty(bq, dtype=np.float32)
-        if banded:
+        if by_band:
             band_scores(s, ld_s, q_s, d, kt, 0, bq, block_k, row_vmax, tile_max, banded, q0,
                         rows, k0, n_q, n_k, left, right, portable)
         else:
             tile_product_max(s, 0, ld_s, q_s, 0, d, 1, kt, 0, d, bq, block_k, d, row_vmax,
                              tile_max, portable)
-        mask_tile(s, ld_s, rows, q0, k0, block_k, n_q, n_k, left, right, -np.inf, portable)
+        if not (by_band and not banded):  # a tile not banded is the whole product, unmasked
+            mask_tile(s, ld_s, rows, q0, k0, block_k, n_q, n_k, left, right, -np.inf,
+                      portable)
         results.append(s.reshape(bq, ld_s)[:, :block_k])
-    whole, banded = results
+    whole, by_band = results
     assert np.isfinite(whole[rows:]).all()  # padding rows: computed whole, never garbage
-    np.testing.assert_array_equal(banded, whole)
+    if banded:
+        np.testing.assert_array_equal(by_band, whole)
+    else:  # the whole product, every score computed
+        assert np.isfinite(by_band).all()
+        masked = whole == -np.inf
+        np.testing.assert_array_equal(by_band[~masked], whole[~masked])
+
+
+BAND_CASES = [(0, 128, 0, 512, 512, 10**9, 0), (128, 128, 128, 300, 300, 10**9, 0),
+              (0, 70, 0, 70, 70, 10**9, 0), (0, 128, 64, 256, 200, 10**9, 0),
+              (0, 128, 0, 256, 90, 10**9, 10**9), (64, 128, 128, 512, 512, 30, 5),
+              (0, 128, 128, 256, 256, 10**9, 0), (0, 64, 0, 64, 64, 10**9, 0),
+              (64, 64, 0, 128, 128, 10**9, 0), (0, 128, 0, 128, 128, 20, 20)]
+
+
+@pytest.mark.parametrize("case", BAND_CASES, ids=str)
+def test_band_runs_cover_the_rows_in_order_by_their_panels(case):
+    """``masking.band_runs``: runs of whole micro-tile row blocks that cover ``[0, bq)`` in
+    order, each block's ``band_columns`` its run's ``need``, neighbouring runs unequal (as long
+    as they can be); a tile not banded is one run of every row and column."""
+    from cpuflash import config
+    from cpuflash._cpu.masking import band_columns, band_runs
+    q0, rows, k0, n_q, n_k, left, right = case
+    mr, width = config.MICRO_ROWS, config.panel_width(np.dtype(np.float32))
+    bq, block_k = -(-rows // mr) * mr, 2 * width
+    runs = np.full((bq // mr + 1, 3), -1, dtype=np.int64)
+    n = band_runs(runs, bq, True, rows, q0, k0, n_q, n_k, left, right, block_k, width)
+    got = runs[:n]
+    assert got[0, 0] == 0 and got[-1, 1] == bq and np.array_equal(got[1:, 0], got[:-1, 1])
+    assert np.all(got[:, 1] > got[:, 0]) and np.all((got[:, :2] % mr == 0) | (got[:, :2] == bq))
+    assert np.all(got[1:, 2] != got[:-1, 2])
+    for r0, r1, need in got:
+        for b0 in range(r0, r1, mr):
+            assert band_columns(b0, mr, rows, q0, k0, n_q, n_k, left, right, block_k,
+                                width) == need
+    n = band_runs(runs, bq, False, rows, q0, k0, n_q, n_k, left, right, block_k, width)
+    assert n == 1 and list(runs[0]) == [0, bq, block_k]
+
+
+@pytest.mark.parametrize("n_q,n_k,options", [
+    (130, 130, dict(causal=True)), (200, 317, dict(causal=True)),
+    (256, 256, dict(window=(40, 3))), (100, 300, dict(window=(70, 0), softcap=3.0)),
+    (192, 192, dict(causal=True, alibi_slopes=np.array([0.2, 0.5])))], ids=str)
+def test_backward_band_skip_is_bitwise_the_masks_gradients(kernels, n_q, n_k, options):
+    """The backward pass computes S, dP and dQ on tiles that cross a band edge only over the
+    key panels each run of row blocks sees (``masking.band_runs``); its gradients equal, bit for
+    bit, those of the same band given as a bool mask, whose tiles are computed whole."""
+    import cpuflash
+    from cpuflash import reference
+    rng = np.random.default_rng(n_q + n_k)
+    q = rng.standard_normal((1, 2, n_q, 64)).astype(np.float32)
+    k, v = (rng.standard_normal((1, 2, n_k, 64)).astype(np.float32) for _ in range(2))
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    seen = reference.visible(n_q, n_k, options.get("causal", False), options.get("window"))
+    as_mask = {key: x for key, x in options.items() if key not in ("causal", "window")}
+    got, want = [], []
+    for opts, sink in ((options, got), (dict(as_mask, mask=seen), want)):
+        out, lse = cpuflash.attention(q, k, v, return_lse=True, **opts)
+        sink.extend(cpuflash.attention_backward(dout, q, k, v, out, lse, **opts))
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        np.testing.assert_array_equal(g, w, err_msg=name)

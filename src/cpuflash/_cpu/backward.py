@@ -26,8 +26,8 @@ from .. import config
 from . import simd
 from ._jit import kernel, portable_twin
 from .tasks import new_claims, next_task, run_shared, unravel
-from .masking import (HIDDEN, MIXED, apply_user_mask, mask_tile, tile_key_range,
-                      tile_needs_mask)
+from .masking import (HIDDEN, MIXED, apply_user_mask, band_runs, fill, mask_tile,
+                      tile_key_range, tile_needs_mask)
 from .dropout import dropout_row
 from .scores import modify_row, tanh_grad_row
 from .pack import (pack_tiles, packed_rows, packed_transposed, reusable, scratch,
@@ -82,6 +82,7 @@ def backward(qp, dout, lse_p, delta, kt, vtt, kn, block_q, d_pad, dv_pad,
     rows_q = qp.shape[2]
     modify = softcap != 0.0 or np.any(slopes != 0.0)
     ld_s = block_k + simd.lanes_of(dk)  # score rows a vector longer: see forward.py
+    width = config.MICRO_VECS * simd.lanes_of(dk)  # a key panel (masking.band_run)
     n_k_all = mask_bools.shape[3]
     n_k_arr = dk.shape[2]
     n_tasks = n_b * n_hkv * n_chunks
@@ -117,6 +118,7 @@ def backward(qp, dout, lse_p, delta, kt, vtt, kn, block_q, d_pad, dv_pad,
             lse_r = np.empty(block_q, dtype=dk.dtype)
             delta_r = np.empty(block_q, dtype=dk.dtype)
             max_unused = np.empty(block_q, dtype=dk.dtype)  # row maxima of the masking pass
+            runs = np.empty((block_q // config.MICRO_ROWS + 1, 3), dtype=np.int64)  # band_runs
             for kb in range(chunk_starts[chunk], chunk_starts[chunk + 1]):
                 k0 = kb * block_k
                 n_valid = min(block_k, n_k - k0)  # keys past kv_len: gradient 0, V never read
@@ -158,10 +160,25 @@ def backward(qp, dout, lse_p, delta, kt, vtt, kn, block_q, d_pad, dv_pad,
                             doa, doa_off = do_s, 0
                         # The same product, on the same packed operands, as the forward pass: P
                         # comes out as the forward's probabilities, consistent with its lse
-                        # (measured: scaling S here instead doubles the dQ error).
-                        tile_product_store(s, 0, ld_s, qa, qa_off, d_pad, 1, kt_flat,
-                                           tile * d * block_k, 0, d, block_q, block_k, d, s, 0,
-                                           s, 0, dp_tile, PORTABLE)
+                        # (measured: scaling S here instead doubles the dQ error). On a tile
+                        # that crosses a mask edge, each run of row blocks over only the key
+                        # panels it may see (masking.band_runs, as the forward's band_scores):
+                        # mask_tile sets the rest to -inf, so P is 0 there, and dP, dS and dQ
+                        # skip them too.
+                        banded = tile_needs_mask(q0, q0 + rows, k0, block_k, n_q, n_k, left,
+                                                 right)
+                        n_runs = band_runs(runs, block_q, banded, rows, q0, k0, n_q, n_k, left,
+                                           right, block_k, width)
+                        for i in range(n_runs):
+                            r0, r1, need = runs[i, 0], runs[i, 1], runs[i, 2]
+                            if need > 0:
+                                tile_product_store(s, r0 * ld_s, ld_s, qa, qa_off + r0 * d_pad,
+                                                   d_pad, 1, kt_flat, tile * d * block_k, 0, d,
+                                                   r1 - r0, need, d, s, 0, s, 0, dp_tile,
+                                                   PORTABLE)
+                            if modify:  # the skipped scores finite for the modifiers (tanh)
+                                for r in range(r0, r1):
+                                    fill(s, r * ld_s + need, r * ld_s + block_k, 0.0, PORTABLE)
                         if modify:
                             for r in range(rows):
                                 modify_row(s, r * ld_s, block_k, q0 + r + n_k - n_q, k0,
@@ -170,29 +187,46 @@ def backward(qp, dout, lse_p, delta, kt, vtt, kn, block_q, d_pad, dv_pad,
                             apply_user_mask(s, 0, ld_s, rows, mask_bools, mask_adds, mask_is_bool,
                                             b, h, q0, k0, min(block_k, n_k_all - k0), 1.0,
                                             max_unused)
-                        if tile_needs_mask(q0, q0 + rows, k0, block_k, n_q, n_k, left, right):
+                        if banded:
                             mask_tile(s, ld_s, rows, q0, k0, block_k, n_q, n_k, left, right,
                                       -np.inf, PORTABLE)
-                        for r in range(block_q):
-                            exp_shifted(s, r * ld_s, block_k, lse_r[r], PORTABLE)
+                        for i in range(n_runs):  # P = 0 past the panels computed
+                            r0, r1, need = runs[i, 0], runs[i, 1], runs[i, 2]
+                            for r in range(r0, r1):
+                                exp_shifted(s, r * ld_s, need, lse_r[r], PORTABLE)
+                                fill(s, r * ld_s + need, r * ld_s + block_k, 0.0, PORTABLE)
                         # Padding rows: P = 0 exactly, even where a NaN key made their score NaN.
                         s[rows * ld_s:] = 0.0
                         # dP = dO V^T, then dS = P * (dP - delta) (dropout first drops dP's keys)
                         if drop_below > 0:
-                            tile_product_store(ds, 0, ld_s, doa, doa_off, dv_pad, 1, vtt_flat,
-                                               tile * n_dv * block_k, 0, n_dv, block_q, block_k,
-                                               n_dv, ds, 0, ds, 0, dp_tile, PORTABLE)
+                            # By runs too (dS is 0 past them, where P is): with the S product's
+                            # argument types, so that both calls share one compilation.
+                            for i in range(n_runs):
+                                r0, r1, need = runs[i, 0], runs[i, 1], runs[i, 2]
+                                if need > 0:
+                                    tile_product_store(ds, r0 * ld_s, ld_s, doa,
+                                                       doa_off + r0 * dv_pad, dv_pad, 1,
+                                                       vtt_flat, tile * n_dv * block_k, 0, n_dv,
+                                                       r1 - r0, need, n_dv, ds, 0, ds, 0,
+                                                       dp_tile, PORTABLE)
                             for r in range(rows):
                                 dropout_row(ds, r * ld_s, block_k, seed,
                                             (b * n_hq + h) * n_q + q0 + r, k0, drop_below,
                                             inv_keep)
                             for r in range(block_q):
                                 softmax_grad_row(s, ds, r * ld_s, block_k, delta_r[r], PORTABLE)
-                        else:
-                            tile_product_softmax_grad(ds, 0, ld_s, doa, doa_off, dv_pad, 1,
-                                                      vtt_flat, tile * n_dv * block_k, 0, n_dv,
-                                                      block_q, block_k, n_dv, s, 0, delta_r, 0,
-                                                      dp_tile, PORTABLE)
+                        else:  # dS = 0 where P = 0 past the panels computed
+                            for i in range(n_runs):
+                                r0, r1, need = runs[i, 0], runs[i, 1], runs[i, 2]
+                                if need > 0:
+                                    tile_product_softmax_grad(
+                                        ds, r0 * ld_s, ld_s, doa, doa_off + r0 * dv_pad, dv_pad,
+                                        1, vtt_flat, tile * n_dv * block_k, 0, n_dv, r1 - r0,
+                                        need, n_dv, s, r0 * ld_s, delta_r, r0, dp_tile,
+                                        PORTABLE)
+                                for r in range(r0, r1):
+                                    fill(ds, r * ld_s + need, r * ld_s + block_k, 0.0,
+                                         PORTABLE)
                         if drop_below > 0:  # dV takes the dropped P
                             for r in range(rows):
                                 dropout_row(s, r * ld_s, block_k, seed,
@@ -213,9 +247,15 @@ def backward(qp, dout, lse_p, delta, kt, vtt, kn, block_q, d_pad, dv_pad,
                                            block_k, d_pad, block_q, dk_comp, 0, dk_comp, 0,
                                            dk_part, PORTABLE)
                         dq_off = (((chunk * n_b + b) * n_hq + h) * rows_padded + q0) * d_pad
-                        tile_product_add(dq_flat, dq_off, d_pad, ds, 0, ld_s, 1, kn_flat,
-                                         tile * block_k * d_pad, 0, block_k, block_q, d_pad,
-                                         n_valid, dq_flat, 0, dq_flat, 0, dq_tile, PORTABLE)
+                        for i in range(n_runs):  # dS is 0 past a run's panels
+                            r0, r1, need = runs[i, 0], runs[i, 1], runs[i, 2]
+                            n_keys = min(n_valid, need)
+                            if n_keys > 0:
+                                tile_product_add(dq_flat, dq_off + r0 * d_pad, d_pad, ds,
+                                                 r0 * ld_s, ld_s, 1, kn_flat,
+                                                 tile * block_k * d_pad, 0, block_k, r1 - r0,
+                                                 d_pad, n_keys, dq_flat, 0, dq_flat, 0, dq_tile,
+                                                 PORTABLE)
                 for j in range(n_valid):
                     for dd in range(d):
                         dk[b, hk, k0 + j, dd] = dk_acc[j * d_pad + dd]

@@ -41,8 +41,8 @@ from .tasks import new_claims, next_task, num_threads, run_shared
 from .decode import MAX_NQ, arrays_of_blocks, run_decode
 from ..masks import UserMask
 from .pack import empty, output, packed_kv, packed_varlen, scratch
-from .masking import (HIDDEN, MIXED, apply_user_mask, band_columns, mask_tile,
-                      tile_key_range, tile_needs_mask)
+from .masking import (HIDDEN, MIXED, apply_user_mask, band_run, mask_tile, tile_key_range,
+                      tile_needs_mask)
 from .dropout import dropout_row
 from .scores import modify_row
 from .tiles import (divide_row, online_softmax, row_max, scale_row, tile_product_max,
@@ -80,18 +80,11 @@ def band_scores(s, ld_s, q_s, d, kt_flat, k_off, bq, block_k, row_vmax, tile_max
     micro-kernels, and with a second call in the kernel the float32 forward's cold compile took
     2.7-4.8 s longer than without ``band_scores`` (22.8 s against 18.0-20.1), with this one
     call 0.7-2.3 s longer (stop 51, alternating processes, each with an empty cache)."""
-    mr = config.MICRO_ROWS
     width = config.MICRO_VECS * simd.lanes_of(s)
     r0 = 0
-    while r0 < bq:
-        if not banded:  # every row over every key: one product
-            need, r1 = block_k, bq
-        else:  # the next row blocks that need as many panels, together
-            need = band_columns(r0, mr, rows, q0, k0, n_q, n_k, left, right, block_k, width)
-            r1 = min(r0 + mr, bq)  # (query blocks are whole micro-tiles: the min only guards)
-            while r1 < bq and band_columns(r1, mr, rows, q0, k0, n_q, n_k, left, right,
-                                           block_k, width) == need:
-                r1 = min(r1 + mr, bq)
+    while r0 < bq:  # one product over a tile not banded, else one a run of row blocks
+        need, r1 = band_run(r0, bq, banded, rows, q0, k0, n_q, n_k, left, right, block_k,
+                            width)
         if need > 0:
             tile_product_max(s, r0 * ld_s, ld_s, q_s, r0 * d, d, 1, kt_flat, k_off, d, r1 - r0,
                              need, d, row_vmax, tile_max[r0:], portable)

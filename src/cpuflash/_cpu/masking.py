@@ -13,8 +13,9 @@ element-wise masking:
 * ``tile_key_range``: the key tiles a block of rows sees at all;
 * ``tile_needs_mask``: whether a visible tile crosses an edge of the band;
 * ``mask_tile``: set the scores outside the band to ``-inf``;
-* ``band_columns``: on such a tile, the key panels a block of rows needs computed at all (the
-  forward's score product skips the rest, which ``mask_tile`` then overwrites).
+* ``band_columns``/``band_run``: on such a tile, the key panels a block of rows needs
+  computed at all (the score products, forward and backward, skip the rest, which
+  ``mask_tile`` then overwrites; the backward's dP and dQ products skip them too).
 
 A caller's bool/float mask comes with a small table of tile states (``masks.tile_states``):
 ``HIDDEN`` tiles are skipped like tiles outside the band, ``CLEAR`` tiles (all True, or all 0.0)
@@ -23,6 +24,7 @@ cost nothing, and only ``MIXED`` tiles are masked element by element (``apply_us
 import numpy as np
 from numba import prange
 
+from .. import config
 from . import simd
 from ._jit import helper, kernel
 from .tasks import unravel
@@ -67,6 +69,42 @@ def band_columns(r0, mr, rows, q0, k0, n_q, kv_len, left, right, block_k, width)
     last = row_band(q0 + r0 + mr - 1, n_q, kv_len, left, right)[1] - k0  # a tile column
     return min(block_k, max(0, (last + width) // width * width))
 
+
+@helper
+def band_run(r0, bq, banded, rows, q0, k0, n_q, kv_len, left, right, block_k, width):
+    """``(need, r1)``: the tile rows ``[r0, r1)``, whole blocks of ``MICRO_ROWS`` from ``r0``
+    (a multiple of it) up to ``bq``, that need the same columns of the key tile from ``k0``
+    computed (``band_columns``: the first ``need``, 0 for none), as many blocks as do. On a
+    tile that crosses no mask edge (not ``banded``) every row needs all ``block_k``. The
+    products over a masked tile run once per such run of rows, from one call site each (each
+    call of a product inlines its micro-kernels, and compile time grows with them)."""
+    if not banded:
+        return block_k, bq
+    mr = config.MICRO_ROWS
+    need = band_columns(r0, mr, rows, q0, k0, n_q, kv_len, left, right, block_k, width)
+    r1 = min(r0 + mr, bq)  # (query blocks are whole micro-tiles: the min only guards)
+    while r1 < bq and band_columns(r1, mr, rows, q0, k0, n_q, kv_len, left, right, block_k,
+                                   width) == need:
+        r1 = min(r1 + mr, bq)
+    return need, r1
+
+
+
+@helper
+def band_runs(runs, bq, banded, rows, q0, k0, n_q, kv_len, left, right, block_k, width):
+    """The runs of ``band_run`` over a tile's ``bq`` rows, in order, into ``runs`` (an int64
+    array of at least ``bq // MICRO_ROWS`` rows of three): ``(r0, r1, need)`` each; returns
+    how many. For a kernel that walks the same runs several times (the backward pass: S, P,
+    dP and dQ)."""
+    n = 0
+    r0 = 0
+    while r0 < bq:
+        need, r1 = band_run(r0, bq, banded, rows, q0, k0, n_q, kv_len, left, right, block_k,
+                            width)
+        runs[n, 0], runs[n, 1], runs[n, 2] = r0, r1, need
+        n += 1
+        r0 = r1
+    return n
 
 @helper
 def fill(s, start, stop, value, portable):
