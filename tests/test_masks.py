@@ -392,13 +392,13 @@ def test_mask_tile_sets_exactly_the_keys_outside_each_rows_band(portable, band, 
     (0, 128, 0, 256, 90, 10**9, 10**9), (64, 128, 128, 512, 512, 30, 5),
     (0, 128, 128, 256, 256, 10**9, 0), (0, 70, 0, 70, 60, 10**9, 0)], ids=str)
 def test_band_scores_leave_the_masked_tile_as_the_whole_product_does(banded, portable, case):
-    """``forward.band_scores`` skips, per block of micro-tile rows, the key panels past the last
-    key one of its rows sees; after ``mask_tile`` the tile is the same, bit for bit, as the whole
-    product's (``tile_product_max``), the skipped scores' garbage (NaN here) included; not
-    ``banded``, it is the whole product itself."""
+    """``forward.band_scores`` skips, per run of micro-tile row blocks (``band_runs``), the key
+    panels past the last key one of its rows sees; after ``mask_tile`` the tile is the same,
+    bit for bit, as the whole product's (``tile_product_max``), the skipped scores' garbage
+    (NaN here) included; not ``banded``, it is the whole product itself."""
     from cpuflash import config
     from cpuflash._cpu.forward import band_scores
-    from cpuflash._cpu.masking import mask_tile
+    from cpuflash._cpu.masking import band_runs, mask_tile
     from cpuflash._cpu.tiles import tile_product_max
     q0, rows, k0, n_q, n_k, left, right = case
     bq, block_k, d = 128, 2 * config.panel_width(np.dtype(np.float32)), 32
@@ -414,8 +414,10 @@ def test_band_scores_leave_the_masked_tile_as_the_whole_product_does(banded, por
         row_vmax = np.empty(bq * lanes, dtype=np.float32)
         tile_max = np.empty(bq, dtype=np.float32)
         if by_band:
-            band_scores(s, ld_s, q_s, d, kt, 0, bq, block_k, row_vmax, tile_max, banded, q0,
-                        rows, k0, n_q, n_k, left, right, portable)
+            runs = np.empty((bq // config.MICRO_ROWS + 1, 3), dtype=np.int64)
+            n_runs = band_runs(runs, bq, banded, rows, q0, k0, n_q, n_k, left, right, block_k,
+                               config.panel_width(np.dtype(np.float32)))
+            band_scores(s, ld_s, q_s, d, kt, 0, runs, n_runs, row_vmax, tile_max, portable)
         else:
             tile_product_max(s, 0, ld_s, q_s, 0, d, 1, kt, 0, d, bq, block_k, d, row_vmax,
                              tile_max, portable)

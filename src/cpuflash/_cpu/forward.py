@@ -41,7 +41,7 @@ from .tasks import new_claims, next_task, num_threads, run_shared
 from .decode import MAX_NQ, arrays_of_blocks, run_decode
 from ..masks import UserMask
 from .pack import empty, output, packed_kv, packed_varlen, scratch
-from .masking import (HIDDEN, MIXED, apply_user_mask, band_run, mask_tile, tile_key_range,
+from .masking import (HIDDEN, MIXED, apply_user_mask, band_runs, mask_tile, tile_key_range,
                       tile_needs_mask)
 from .dropout import dropout_row
 from .scores import modify_row
@@ -66,29 +66,24 @@ def balanced_order(j, n):
 
 
 @helper
-def band_scores(s, ld_s, q_s, d, kt_flat, k_off, bq, block_k, row_vmax, tile_max, banded, q0,
-                rows, k0, n_q, n_k, left, right, portable):
-    """``tile_product_max`` over a key tile; on one that crosses a mask edge (``banded``), each
-    block of ``MICRO_ROWS`` rows over only the panels (``panel_width`` keys) up to the last key
-    one of its rows sees: on a causal diagonal tile of 128 rows and 128 keys, the first 64 rows
-    see none of the second panel, a quarter of the tile's product. The scores left out are all
-    outside their rows' bands, and ``mask_tile`` sets every such score to ``-inf`` next, so the
-    masked tile is the same, bit for bit; its row maxima are then read again from it
-    (``max_given`` false), not taken from here. Padding rows past ``rows``, which the mask
-    leaves alone, get every panel (their scores 0, as Q is zero there). A tile not ``banded``
-    is one product over every row, from the same call: each call of the product inlines its
-    micro-kernels, and with a second call in the kernel the float32 forward's cold compile took
-    2.7-4.8 s longer than without ``band_scores`` (22.8 s against 18.0-20.1), with this one
-    call 0.7-2.3 s longer (stop 51, alternating processes, each with an empty cache)."""
-    width = config.MICRO_VECS * simd.lanes_of(s)
-    r0 = 0
-    while r0 < bq:  # one product over a tile not banded, else one a run of row blocks
-        need, r1 = band_run(r0, bq, banded, rows, q0, k0, n_q, n_k, left, right, block_k,
-                            width)
+def band_scores(s, ld_s, q_s, d, kt_flat, k_off, runs, n_runs, row_vmax, tile_max, portable):
+    """``tile_product_max`` over a key tile, once per run of row blocks (``masking.band_runs``:
+    on a tile that crosses no mask edge, one run of every row and key), each over only the
+    panels (``panel_width`` keys) up to the last key one of its rows sees: on a causal diagonal
+    tile of 128 rows and 128 keys, the first 64 rows see none of the second panel, a quarter of
+    the tile's product. The scores left out are all outside their rows' bands, and
+    ``mask_tile`` sets every such score to ``-inf`` next, so the masked tile is the same, bit
+    for bit; its row maxima are then read again from it (``max_given`` false), not taken from
+    here. Padding rows past ``rows``, which the mask leaves alone, get every panel (their
+    scores 0, as Q is zero there). One call of the product for every run: each call inlines
+    its micro-kernels, and with a second call in the kernel the float32 forward's cold compile
+    took 2.7-4.8 s longer than without ``band_scores`` (22.8 s against 18.0-20.1), with this
+    one call 0.7-2.3 s longer (stop 51, alternating processes, each with an empty cache)."""
+    for i in range(n_runs):
+        r0, r1, need = runs[i, 0], runs[i, 1], runs[i, 2]
         if need > 0:
             tile_product_max(s, r0 * ld_s, ld_s, q_s, r0 * d, d, 1, kt_flat, k_off, d, r1 - r0,
                              need, d, row_vmax, tile_max[r0:], portable)
-        r0 = r1
 
 
 @kernel(strided=("q", "mask_bools", "mask_adds", "tile_state"),
@@ -126,6 +121,7 @@ def forward(q, kt, vt, n_hkv, block_q, scale, left, right, seqs, kv_lens, softca
     # Score rows one vector longer than the tile: rows a power of two apart (1 KiB at 256 keys)
     # alias in L1 and in the store-to-load forwarding of the tile products.
     ld_s = block_k + simd.lanes_of(out_flat)
+    width = config.MICRO_VECS * simd.lanes_of(out_flat)  # a key panel (masking.band_run)
     modify = softcap != 0.0 or np.any(slopes != 0.0)
     no_t = np.empty(0, dtype=out_flat.dtype)
     n_k_all = mask_bools.shape[3]
@@ -144,6 +140,7 @@ def forward(q, kt, vt, n_hkv, block_q, scale, left, right, seqs, kv_lens, softca
         tile_max = np.empty(block_q, dtype=out_flat.dtype)  # row maxima of a score tile
         pv = np.empty(block_q * dv_pad if PORTABLE else 0, dtype=out_flat.dtype)  # portable
         row_vmax = scratch(block_q * simd.lanes_of(out_flat), out_flat)
+        runs = np.empty((block_q // config.MICRO_ROWS + 1, 3), dtype=np.int64)  # band_runs
         for _ in range(n_tasks):
             task = next_task(claims, worker, n_workers, n_tasks)
             if task < 0:
@@ -174,8 +171,10 @@ def forward(q, kt, vt, n_hkv, block_q, scale, left, right, seqs, kv_lens, softca
                 masked = tile_needs_mask(q0, q0 + rows, k0, block_k, n_q, n_k, left, right)
                 # S = Q K^T with its row maxima; on a masked tile only the key panels each row
                 # block may see (band_scores)
-                band_scores(s, ld_s, q_s, d, kt_flat, k_off, bq, block_k, row_vmax, tile_max,
-                            masked, q0, rows, k0, n_q, n_k, left, right, PORTABLE)
+                n_runs = band_runs(runs, bq, masked, rows, q0, k0, n_q, n_k, left, right,
+                                   block_k, width)
+                band_scores(s, ld_s, q_s, d, kt_flat, k_off, runs, n_runs, row_vmax, tile_max,
+                            PORTABLE)
                 # The row maxima came with the product (a pass over S saved); the modifiers and
                 # masks below say whether they still hold.
                 max_given = not modify
@@ -210,9 +209,17 @@ def forward(q, kt, vt, n_hkv, block_q, scale, left, right, seqs, kv_lens, softca
                 # This tile's P @ V on its own, then acc = alpha * acc + it: each tile's sum is
                 # short, which keeps float32 rounding lower than one long running sum over all
                 # keys.
-                n_valid = min(block_k, n_k - k0)  # keys past kv_len have P = 0: V rows never read
-                tile_product_rescale(acc, 0, dv_pad, s, 0, ld_s, 1, vt_flat, v_off, 0, block_k,
-                                     bq, dv_pad, n_valid, alpha_i, 0, alpha_i, 0, pv, PORTABLE)
+                # Keys past kv_len have P = 0: their V rows are never read; nor are those of
+                # the panels a run of rows skipped (P = 0 there too). A sum of P V starts at +0
+                # and never turns -0, so the terms left out, each 0 * V = +-0, change no bit:
+                # only an Inf or NaN in a skipped value no longer reaches rows that do not see
+                # it (masking.py).
+                n_valid = min(block_k, n_k - k0)
+                for i in range(n_runs):  # each run's acc rescaled by alpha, if it adds nothing
+                    r0, r1, need = runs[i, 0], runs[i, 1], runs[i, 2]
+                    tile_product_rescale(acc, r0 * dv_pad, dv_pad, s, r0 * ld_s, ld_s, 1, vt_flat,
+                                         v_off, 0, block_k, r1 - r0, dv_pad, min(n_valid, need),
+                                         alpha_i, r0, alpha_i, 0, pv, PORTABLE)
             for r in range(rows):
                 at = out_row0 + r * out_layout[2]
                 if l_i[r] == 0.0:  # the row sees no key: output 0, lse -inf
