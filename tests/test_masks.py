@@ -469,16 +469,20 @@ def test_band_runs_cover_the_rows_in_order_by_their_panels(case):
 @pytest.mark.parametrize("n_q,n_k,options", [
     (130, 130, dict(causal=True)), (200, 317, dict(causal=True)),
     (256, 256, dict(window=(40, 3))), (100, 300, dict(window=(70, 0), softcap=3.0)),
-    (192, 192, dict(causal=True, alibi_slopes=np.array([0.2, 0.5])))], ids=str)
-def test_backward_band_skip_is_bitwise_the_masks_gradients(kernels, n_q, n_k, options):
+    (192, 192, dict(causal=True, alibi_slopes=np.array([0.2, 0.5, 0.3, 0.1])))], ids=str)
+@pytest.mark.parametrize("h_kv", [4, 2])
+def test_backward_band_skip_is_the_masks_gradients(kernels, n_q, n_k, options, h_kv):
     """The backward pass computes S, dP and dQ on tiles that cross a band edge only over the
-    key panels each run of row blocks sees (``masking.band_runs``); its gradients equal, bit for
-    bit, those of the same band given as a bool mask, whose tiles are computed whole."""
+    key panels each run of row blocks sees, and dK and dV only for the keys some run sees
+    (``masking.band_runs``); its gradients equal those of the same band given as a bool mask,
+    whose tiles are computed whole: bit for bit with one query head per key head. With two,
+    dK's and dV's compensated sums may fold their compensation one block later (a skipped
+    add of 0): within two ulps of the largest gradient."""
     import cpuflash
     from cpuflash import reference
     rng = np.random.default_rng(n_q + n_k)
-    q = rng.standard_normal((1, 2, n_q, 64)).astype(np.float32)
-    k, v = (rng.standard_normal((1, 2, n_k, 64)).astype(np.float32) for _ in range(2))
+    q = rng.standard_normal((1, 4, n_q, 64)).astype(np.float32)
+    k, v = (rng.standard_normal((1, h_kv, n_k, 64)).astype(np.float32) for _ in range(2))
     dout = rng.standard_normal(q.shape).astype(np.float32)
     seen = reference.visible(n_q, n_k, options.get("causal", False), options.get("window"))
     as_mask = {key: x for key, x in options.items() if key not in ("causal", "window")}
@@ -487,4 +491,8 @@ def test_backward_band_skip_is_bitwise_the_masks_gradients(kernels, n_q, n_k, op
         out, lse = cpuflash.attention(q, k, v, return_lse=True, **opts)
         sink.extend(cpuflash.attention_backward(dout, q, k, v, out, lse, **opts))
     for name, g, w in zip(("dq", "dk", "dv"), got, want):
-        np.testing.assert_array_equal(g, w, err_msg=name)
+        if h_kv == 4 or name == "dq":
+            np.testing.assert_array_equal(g, w, err_msg=name)
+        else:
+            ulp = np.spacing(np.max(np.abs(w)))
+            np.testing.assert_allclose(g, w, rtol=0, atol=2 * ulp, err_msg=name)

@@ -240,11 +240,20 @@ def backward(qp, dout, lse_p, delta, kt, vtt, kn, block_q, d_pad, dv_pad,
                         # compensation: one long running sum over every query row rounds more
                         # (measured at N=8192, causal: dV error 2.0e-6 that way; 2.2e-6 summing 4
                         # blocks before each compensated add; 1.2e-6 this way; torch 1.3e-6).
+                        # Keys past every run's panels have P = dS = 0 in this block: their rows
+                        # are left alone. (Under causal and right-bounded windows a block's rows
+                        # see a key only if every later block's do, so with one query head a
+                        # group those keys' sums are still 0 and the bits are the same; with
+                        # several, a compensated add of 0 would have folded the compensation
+                        # into the sum a block earlier than the next add does.)
+                        key_rows = 0
+                        for i in range(n_runs):
+                            key_rows = max(key_rows, runs[i, 2])
                         tile_product_kahan(dv_acc, 0, dv_pad, s, 0, 1, ld_s, doa, doa_off, dv_pad,
-                                           1, block_k, dv_pad, block_q, dv_comp, 0, dv_comp, 0,
+                                           1, key_rows, dv_pad, block_q, dv_comp, 0, dv_comp, 0,
                                            dv_part, PORTABLE)
                         tile_product_kahan(dk_acc, 0, d_pad, ds, 0, 1, ld_s, qa, qa_off, d_pad, 1,
-                                           block_k, d_pad, block_q, dk_comp, 0, dk_comp, 0,
+                                           key_rows, d_pad, block_q, dk_comp, 0, dk_comp, 0,
                                            dk_part, PORTABLE)
                         dq_off = (((chunk * n_b + b) * n_hq + h) * rows_padded + q0) * d_pad
                         for i in range(n_runs):  # dS is 0 past a run's panels
