@@ -13,9 +13,10 @@ element-wise masking:
 * ``tile_key_range``: the key tiles a block of rows sees at all;
 * ``tile_needs_mask``: whether a visible tile crosses an edge of the band;
 * ``mask_tile``: set the scores outside the band to ``-inf``;
-* ``band_columns``/``band_run``: on such a tile, the key panels a block of rows needs
-  computed at all (the score products, forward and backward, skip the rest, which
-  ``mask_tile`` then overwrites; the backward's dP and dQ products skip them too).
+* ``band_columns``/``band_run``/``band_runs``: on such a tile, the key panels a block of rows
+  needs computed at all (the score products, forward and backward, skip the rest, which
+  ``mask_tile`` then overwrites; the forward's P V and the backward's dP, dQ, dK and dV skip
+  them too).
 
 A caller's bool/float mask comes with a small table of tile states (``masks.tile_states``):
 ``HIDDEN`` tiles are skipped like tiles outside the band, ``CLEAR`` tiles (all True, or all 0.0)
