@@ -2,7 +2,7 @@
 product with its row maxima (``tiles.tile_product_max``: S = Q K^T over packed K panels, in
 partial sums), the online softmax of the tile (``tiles.online_softmax``, scores already
 maximized), and P V with the rescale (``tiles.tile_product_rescale``: ``acc = alpha * acc + P
-V``, in ``tiles.PV_MR``-row micro-tiles), at the shapes of one forward tile (``--rows`` query
+V``, in ``MICRO_ROWS``-row micro-tiles), at the shapes of one forward tile (``--rows`` query
 rows x ``--keys`` keys, head dim ``--d``), each step called again and again over ``--tiles``
 K/V tiles in turn. Beside them an FMA-only loop (12 independent chains of vector multiply-adds):
 the core's peak. Best of 5 runs of ``--reps`` calls. Run with ``NUMBA_NUM_THREADS=1`` (and
@@ -119,8 +119,8 @@ def main(argv=None):
     alpha_i = np.ones(rows, np.float32)
     product_flops = 2.0 * rows * keys * d * a.reps
     print(f"one thread (NUMBA_NUM_THREADS={numba.config.NUMBA_NUM_THREADS}), {rows} rows x "
-          f"{keys} keys, D={d}, {a.tiles} tiles, micro-tiles {config.MICRO_ROWS} rows "
-          f"(P V {getattr(tiles, 'PV_MR', config.MICRO_ROWS)}) x {config.MICRO_VECS * lanes} columns")
+          f"{keys} keys, D={d}, {a.tiles} tiles, micro-tiles {config.MICRO_ROWS} rows x "
+          f"{config.MICRO_VECS * lanes} columns")
     t = best_seconds(scores, s, ld_s, q_s, kt, rows, keys, d, row_vmax, tile_max, a.reps,
                      a.tiles)
     print(f"S = Q K^T, row maxima: {t / a.reps * 1e6:8.2f} us a tile {product_flops / t / 1e9:7.1f}"

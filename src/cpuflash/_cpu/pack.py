@@ -195,7 +195,8 @@ def flat_rows(x):
         x = np.ascontiguousarray(x)
     steps = (x.strides[0] // item, x.strides[1] // item)
     span = (x.shape[0] - 1) * steps[0] + (x.shape[1] - 1) * steps[1] + x.shape[2] if x.size else 0
-    return np.lib.stride_tricks.as_strided(x, shape=(span,), strides=(item,), writeable=False), steps
+    flat = np.lib.stride_tricks.as_strided(x, shape=(span,), strides=(item,), writeable=False)
+    return flat, steps
 
 
 @kernel(strided=("v",))
