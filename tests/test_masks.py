@@ -416,8 +416,9 @@ def test_band_scores_leave_the_masked_tile_as_the_whole_product_does(banded, por
         if by_band:
             runs = np.empty((bq // config.MICRO_ROWS + 1, 3), dtype=np.int64)
             n_runs = band_runs(runs, bq, banded, rows, q0, k0, n_q, n_k, left, right, block_k,
-                               config.panel_width(np.dtype(np.float32)))
-            band_scores(s, ld_s, q_s, d, kt, 0, runs, n_runs, row_vmax, tile_max, portable)
+                               lanes)  # in vectors of keys, as the forward kernel's
+            band_scores(s, ld_s, q_s, d, kt, 0, runs, n_runs, block_k // 2, row_vmax, tile_max,
+                        portable)
         else:
             tile_product_max(s, 0, ld_s, q_s, 0, d, 1, kt, 0, d, bq, block_k, d, row_vmax,
                              tile_max, portable)

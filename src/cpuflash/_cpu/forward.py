@@ -66,24 +66,33 @@ def balanced_order(j, n):
 
 
 @helper
-def band_scores(s, ld_s, q_s, d, kt_flat, k_off, runs, n_runs, row_vmax, tile_max, portable):
-    """``tile_product_max`` over a key tile, once per run of row blocks (``masking.band_runs``:
-    on a tile that crosses no mask edge, one run of every row and key), each over only the
-    panels (``panel_width`` keys) up to the last key one of its rows sees: on a causal diagonal
-    tile of 128 rows and 128 keys, the first 64 rows see none of the second panel, a quarter of
-    the tile's product. The scores left out are all outside their rows' bands, and
-    ``mask_tile`` sets every such score to ``-inf`` next, so the masked tile is the same, bit
-    for bit; its row maxima are then read again from it (``max_given`` false), not taken from
-    here. Padding rows past ``rows``, which the mask leaves alone, get every panel (their
-    scores 0, as Q is zero there). One call of the product for every run: each call inlines
-    its micro-kernels, and with a second call in the kernel the float32 forward's cold compile
-    took 2.7-4.8 s longer than without ``band_scores`` (22.8 s against 18.0-20.1), with this
-    one call 0.7-2.3 s longer (stop 51, alternating processes, each with an empty cache)."""
-    for i in range(n_runs):
-        r0, r1, need = runs[i, 0], runs[i, 1], runs[i, 2]
+def band_scores(s, ld_s, q_s, d, kt_flat, k_off, runs, n_runs, width, row_vmax, tile_max,
+                portable):
+    """``tile_product_max`` over a key tile, once per run of row blocks that need as many key
+    panels (``width`` keys; ``runs``: ``masking.band_runs`` in steps of one vector of keys,
+    taken together while they round up to the same panels; on a tile that crosses no mask
+    edge, one run of every row and key), each over only the panels up to the last key one of
+    its rows sees: on a causal diagonal tile of 128 rows and 128 keys, the first 64 rows see
+    none of the second panel, a quarter of the tile's product. The scores left out are all
+    outside their rows' bands, and ``mask_tile`` sets every such score to ``-inf`` next, so the
+    masked tile is the same, bit for bit; its row maxima are then read again from it
+    (``max_given`` false), not taken from here. Padding rows past ``rows``, which the mask
+    leaves alone, get every panel (their scores 0, as Q is zero there). One call of the
+    product for every run: each call inlines its micro-kernels, and with a second call in the
+    kernel the float32 forward's cold compile took 2.7-4.8 s longer than without
+    ``band_scores`` (22.8 s against 18.0-20.1), with this one call 0.7-2.3 s longer (stop 51,
+    alternating processes, each with an empty cache)."""
+    i = 0
+    while i < n_runs:
+        r0, need = runs[i, 0], -(-runs[i, 2] // width) * width
+        j = i + 1
+        while j < n_runs and -(-runs[j, 2] // width) * width == need:
+            j += 1
+        r1 = runs[j - 1, 1]
         if need > 0:
             tile_product_max(s, r0 * ld_s, ld_s, q_s, r0 * d, d, 1, kt_flat, k_off, d, r1 - r0,
                              need, d, row_vmax, tile_max[r0:], portable)
+        i = j
 
 
 @kernel(strided=("q", "mask_bools", "mask_adds", "tile_state"),
@@ -121,7 +130,8 @@ def forward(q, kt, vt, n_hkv, block_q, scale, left, right, seqs, kv_lens, softca
     # Score rows one vector longer than the tile: rows a power of two apart (1 KiB at 256 keys)
     # alias in L1 and in the store-to-load forwarding of the tile products.
     ld_s = block_k + simd.lanes_of(out_flat)
-    width = config.MICRO_VECS * simd.lanes_of(out_flat)  # a key panel (masking.band_run)
+    lanes = simd.lanes_of(out_flat)
+    width = config.MICRO_VECS * lanes  # a key panel (masking.band_run)
     modify = softcap != 0.0 or np.any(slopes != 0.0)
     no_t = np.empty(0, dtype=out_flat.dtype)
     n_k_all = mask_bools.shape[3]
@@ -171,10 +181,11 @@ def forward(q, kt, vt, n_hkv, block_q, scale, left, right, seqs, kv_lens, softca
                 masked = tile_needs_mask(q0, q0 + rows, k0, block_k, n_q, n_k, left, right)
                 # S = Q K^T with its row maxima; on a masked tile only the key panels each row
                 # block may see (band_scores)
+                # (the runs of row blocks that need as many vectors of keys: band_runs)
                 n_runs = band_runs(runs, bq, masked, rows, q0, k0, n_q, n_k, left, right,
-                                   block_k, width)
-                band_scores(s, ld_s, q_s, d, kt_flat, k_off, runs, n_runs, row_vmax, tile_max,
-                            PORTABLE)
+                                   block_k, lanes)
+                band_scores(s, ld_s, q_s, d, kt_flat, k_off, runs, n_runs, width, row_vmax,
+                            tile_max, PORTABLE)
                 # The row maxima came with the product (a pass over S saved); the modifiers and
                 # masks below say whether they still hold.
                 max_given = not modify
@@ -209,13 +220,16 @@ def forward(q, kt, vt, n_hkv, block_q, scale, left, right, seqs, kv_lens, softca
                 # This tile's P @ V on its own, then acc = alpha * acc + it: each tile's sum is
                 # short, which keeps float32 rounding lower than one long running sum over all
                 # keys.
-                # Keys past kv_len have P = 0: their V rows are never read; nor are those of
-                # the panels a run of rows skipped (P = 0 there too). A sum of P V starts at +0
-                # and never turns -0, so the terms left out, each 0 * V = +-0, change no bit:
-                # only an Inf or NaN in a skipped value no longer reaches rows that do not see
-                # it (masking.py).
+                # Keys past kv_len have P = 0: their V rows are never read. On a masked tile
+                # neither are those past the last vector of keys a run of row blocks sees (P =
+                # 0 there too; band_runs in steps of one vector of keys, not of a panel: on a
+                # causal diagonal tile of 128 keys, 72 keys a row on average, not 96, in 8
+                # calls). A sum of P V starts at +0 and never turns -0, so the terms left out,
+                # each 0 * V = +-0, change no bit: only an Inf or NaN in a skipped value no
+                # longer reaches rows that do not see it (masking.py). Each run's acc is
+                # rescaled by alpha, if it adds nothing.
                 n_valid = min(block_k, n_k - k0)
-                for i in range(n_runs):  # each run's acc rescaled by alpha, if it adds nothing
+                for i in range(n_runs):
                     r0, r1, need = runs[i, 0], runs[i, 1], runs[i, 2]
                     tile_product_rescale(acc, r0 * dv_pad, dv_pad, s, r0 * ld_s, ld_s, 1, vt_flat,
                                          v_off, 0, block_k, r1 - r0, dv_pad, min(n_valid, need),
