@@ -398,7 +398,7 @@ def test_band_scores_leave_the_masked_tile_as_the_whole_product_does(banded, por
     (NaN here) included; not ``banded``, it is the whole product itself."""
     from cpuflash import config
     from cpuflash._cpu.forward import band_scores
-    from cpuflash._cpu.masking import band_runs, mask_tile
+    from cpuflash._cpu.masking import band_runs, mask_tile, panel_runs
     from cpuflash._cpu.tiles import tile_product_max
     q0, rows, k0, n_q, n_k, left, right = case
     bq, block_k, d = 128, 2 * config.panel_width(np.dtype(np.float32)), 32
@@ -415,9 +415,11 @@ def test_band_scores_leave_the_masked_tile_as_the_whole_product_does(banded, por
         tile_max = np.empty(bq, dtype=np.float32)
         if by_band:
             runs = np.empty((bq // config.MICRO_ROWS + 1, 3), dtype=np.int64)
+            by_panel = np.empty_like(runs)
             n_runs = band_runs(runs, bq, banded, rows, q0, k0, n_q, n_k, left, right, block_k,
                                lanes)  # in vectors of keys, as the forward kernel's
-            band_scores(s, ld_s, q_s, d, kt, 0, runs, n_runs, block_k // 2, row_vmax, tile_max,
+            n_by_panel = panel_runs(runs, n_runs, block_k // 2, by_panel)
+            band_scores(s, ld_s, q_s, d, kt, 0, by_panel, n_by_panel, row_vmax, tile_max,
                         portable)
         else:
             tile_product_max(s, 0, ld_s, q_s, 0, d, 1, kt, 0, d, bq, block_k, d, row_vmax,
@@ -447,15 +449,16 @@ BAND_CASES = [(0, 128, 0, 512, 512, 10**9, 0), (128, 128, 128, 300, 300, 10**9, 
 def test_band_runs_cover_the_rows_in_order_by_their_panels(case):
     """``masking.band_runs``: runs of whole micro-tile row blocks that cover ``[0, bq)`` in
     order, each block's ``band_columns`` its run's ``need``, neighbouring runs unequal (as long
-    as they can be); a tile not banded is one run of every row and column."""
+    as they can be); a tile not banded is one run of every row and column. Runs in vectors of
+    keys, taken together by ``panel_runs``, are the runs in panels."""
     from cpuflash import config
-    from cpuflash._cpu.masking import band_columns, band_runs
+    from cpuflash._cpu.masking import band_columns, band_runs, panel_runs
     q0, rows, k0, n_q, n_k, left, right = case
     mr, width = config.MICRO_ROWS, config.panel_width(np.dtype(np.float32))
     bq, block_k = -(-rows // mr) * mr, 2 * width
     runs = np.full((bq // mr + 1, 3), -1, dtype=np.int64)
     n = band_runs(runs, bq, True, rows, q0, k0, n_q, n_k, left, right, block_k, width)
-    got = runs[:n]
+    got = runs[:n].copy()
     assert got[0, 0] == 0 and got[-1, 1] == bq and np.array_equal(got[1:, 0], got[:-1, 1])
     assert np.all(got[:, 1] > got[:, 0]) and np.all((got[:, :2] % mr == 0) | (got[:, :2] == bq))
     assert np.all(got[1:, 2] != got[:-1, 2])
@@ -465,6 +468,13 @@ def test_band_runs_cover_the_rows_in_order_by_their_panels(case):
                                 width) == need
     n = band_runs(runs, bq, False, rows, q0, k0, n_q, n_k, left, right, block_k, width)
     assert n == 1 and list(runs[0]) == [0, bq, block_k]
+    # runs in vectors of keys, taken together by panels (panel_runs), are the runs in panels
+    lanes = config.LANES_F32
+    by_vector, by_panel = np.full_like(runs, -1), np.full_like(runs, -1)
+    n_v = band_runs(by_vector, bq, True, rows, q0, k0, n_q, n_k, left, right, block_k, lanes)
+    assert np.all(by_vector[:n_v, 2] % lanes == 0) and n_v >= len(got)
+    n_p = panel_runs(by_vector, n_v, width, by_panel)
+    np.testing.assert_array_equal(by_panel[:n_p], got)
 
 
 @pytest.mark.parametrize("n_q,n_k,options", [

@@ -41,8 +41,8 @@ from .tasks import new_claims, next_task, num_threads, run_shared
 from .decode import MAX_NQ, arrays_of_blocks, run_decode
 from ..masks import UserMask
 from .pack import empty, output, packed_kv, packed_varlen, scratch
-from .masking import (HIDDEN, MIXED, apply_user_mask, band_runs, mask_tile, tile_key_range,
-                      tile_needs_mask)
+from .masking import (HIDDEN, MIXED, apply_user_mask, band_runs, mask_tile, panel_runs,
+                      tile_key_range, tile_needs_mask)
 from .dropout import dropout_row
 from .scores import modify_row
 from .tiles import (divide_row, online_softmax, row_max, scale_row, tile_product_max,
@@ -66,33 +66,25 @@ def balanced_order(j, n):
 
 
 @helper
-def band_scores(s, ld_s, q_s, d, kt_flat, k_off, runs, n_runs, width, row_vmax, tile_max,
-                portable):
-    """``tile_product_max`` over a key tile, once per run of row blocks that need as many key
-    panels (``width`` keys; ``runs``: ``masking.band_runs`` in steps of one vector of keys,
-    taken together while they round up to the same panels; on a tile that crosses no mask
-    edge, one run of every row and key), each over only the panels up to the last key one of
-    its rows sees: on a causal diagonal tile of 128 rows and 128 keys, the first 64 rows see
-    none of the second panel, a quarter of the tile's product. The scores left out are all
-    outside their rows' bands, and ``mask_tile`` sets every such score to ``-inf`` next, so the
-    masked tile is the same, bit for bit; its row maxima are then read again from it
-    (``max_given`` false), not taken from here. Padding rows past ``rows``, which the mask
-    leaves alone, get every panel (their scores 0, as Q is zero there). One call of the
-    product for every run: each call inlines its micro-kernels, and with a second call in the
-    kernel the float32 forward's cold compile took 2.7-4.8 s longer than without
+def band_scores(s, ld_s, q_s, d, kt_flat, k_off, runs, n_runs, row_vmax, tile_max, portable):
+    """``tile_product_max`` over a key tile, once per run of row blocks (``runs``: the
+    ``(r0, r1, need)`` of ``masking.band_runs`` in steps of a panel, ``panel_runs``; on a tile
+    that crosses no mask edge, one run of every row and key), each over only the panels up to
+    the last key one of its rows sees: on a causal diagonal tile of 128 rows and 128 keys, the
+    first 64 rows see none of the second panel, a quarter of the tile's product. The scores
+    left out are all outside their rows' bands, and ``mask_tile`` sets every such score to
+    ``-inf`` next, so the masked tile is the same, bit for bit; its row maxima are then read
+    again from it (``max_given`` false), not taken from here. Padding rows past ``rows``, which
+    the mask leaves alone, get every panel (their scores 0, as Q is zero there). One call of
+    the product for every run: each call inlines its micro-kernels, and with a second call in
+    the kernel the float32 forward's cold compile took 2.7-4.8 s longer than without
     ``band_scores`` (22.8 s against 18.0-20.1), with this one call 0.7-2.3 s longer (stop 51,
     alternating processes, each with an empty cache)."""
-    i = 0
-    while i < n_runs:
-        r0, need = runs[i, 0], -(-runs[i, 2] // width) * width
-        j = i + 1
-        while j < n_runs and -(-runs[j, 2] // width) * width == need:
-            j += 1
-        r1 = runs[j - 1, 1]
+    for i in range(n_runs):
+        r0, r1, need = runs[i, 0], runs[i, 1], runs[i, 2]
         if need > 0:
             tile_product_max(s, r0 * ld_s, ld_s, q_s, r0 * d, d, 1, kt_flat, k_off, d, r1 - r0,
                              need, d, row_vmax, tile_max[r0:], portable)
-        i = j
 
 
 @kernel(strided=("q", "mask_bools", "mask_adds", "tile_state"),
@@ -151,6 +143,7 @@ def forward(q, kt, vt, n_hkv, block_q, scale, left, right, seqs, kv_lens, softca
         pv = np.empty(block_q * dv_pad if PORTABLE else 0, dtype=out_flat.dtype)  # portable
         row_vmax = scratch(block_q * simd.lanes_of(out_flat), out_flat)
         runs = np.empty((block_q // config.MICRO_ROWS + 1, 3), dtype=np.int64)  # band_runs
+        runs_by_panel = np.empty_like(runs)  # panel_runs
         for _ in range(n_tasks):
             task = next_task(claims, worker, n_workers, n_tasks)
             if task < 0:
@@ -181,10 +174,11 @@ def forward(q, kt, vt, n_hkv, block_q, scale, left, right, seqs, kv_lens, softca
                 masked = tile_needs_mask(q0, q0 + rows, k0, block_k, n_q, n_k, left, right)
                 # S = Q K^T with its row maxima; on a masked tile only the key panels each row
                 # block may see (band_scores)
-                # (the runs of row blocks that need as many vectors of keys: band_runs)
+                # (the runs of row blocks that need as many vectors of keys, and as many panels)
                 n_runs = band_runs(runs, bq, masked, rows, q0, k0, n_q, n_k, left, right,
                                    block_k, lanes)
-                band_scores(s, ld_s, q_s, d, kt_flat, k_off, runs, n_runs, width, row_vmax,
+                n_by_panel = panel_runs(runs, n_runs, width, runs_by_panel)
+                band_scores(s, ld_s, q_s, d, kt_flat, k_off, runs_by_panel, n_by_panel, row_vmax,
                             tile_max, PORTABLE)
                 # The row maxima came with the product (a pass over S saved); the modifiers and
                 # masks below say whether they still hold.
