@@ -82,7 +82,7 @@ def backward(qp, dout, lse_p, delta, kt, vtt, kn, block_q, d_pad, dv_pad,
     rows_q = qp.shape[2]
     modify = softcap != 0.0 or np.any(slopes != 0.0)
     ld_s = block_k + simd.lanes_of(dk)  # score rows a vector longer: see forward.py
-    width = config.MICRO_VECS * simd.lanes_of(dk)  # a key panel (masking.band_run)
+    width = config.MICRO_VECS * simd.lanes_of(dk)  # a key panel (masking.band_runs)
     n_k_all = mask_bools.shape[3]
     n_k_arr = dk.shape[2]
     n_tasks = n_b * n_hkv * n_chunks

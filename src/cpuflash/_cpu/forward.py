@@ -121,9 +121,9 @@ def forward(q, kt, vt, n_hkv, block_q, scale, left, right, seqs, kv_lens, softca
     tile_v = block_k * dv_pad
     # Score rows one vector longer than the tile: rows a power of two apart (1 KiB at 256 keys)
     # alias in L1 and in the store-to-load forwarding of the tile products.
-    ld_s = block_k + simd.lanes_of(out_flat)
     lanes = simd.lanes_of(out_flat)
-    width = config.MICRO_VECS * lanes  # a key panel (masking.band_run)
+    ld_s = block_k + lanes
+    width = config.MICRO_VECS * lanes  # a key panel
     modify = softcap != 0.0 or np.any(slopes != 0.0)
     no_t = np.empty(0, dtype=out_flat.dtype)
     n_k_all = mask_bools.shape[3]
@@ -172,9 +172,9 @@ def forward(q, kt, vt, n_hkv, block_q, scale, left, right, seqs, kv_lens, softca
                 k_off = (tile0 + kb) * tile_k
                 v_off = (tile0 + kb) * tile_v
                 masked = tile_needs_mask(q0, q0 + rows, k0, block_k, n_q, n_k, left, right)
-                # S = Q K^T with its row maxima; on a masked tile only the key panels each row
-                # block may see (band_scores)
-                # (the runs of row blocks that need as many vectors of keys, and as many panels)
+                # S = Q K^T with its row maxima; on a masked tile only the key panels each run
+                # of row blocks may see (band_scores; the runs by vectors of keys for P V, taken
+                # together by panels for S)
                 n_runs = band_runs(runs, bq, masked, rows, q0, k0, n_q, n_k, left, right,
                                    block_k, lanes)
                 n_by_panel = panel_runs(runs, n_runs, width, runs_by_panel)

@@ -13,7 +13,7 @@ element-wise masking:
 * ``tile_key_range``: the key tiles a block of rows sees at all;
 * ``tile_needs_mask``: whether a visible tile crosses an edge of the band;
 * ``mask_tile``: set the scores outside the band to ``-inf``;
-* ``band_columns``/``band_run``/``band_runs``/``panel_runs``: on such a tile, the key panels a block of rows
+* ``band_columns``, ``band_runs``, ``panel_runs``: on such a tile, the keys each block of rows
   needs computed at all (the score products, forward and backward, skip the rest, which
   ``mask_tile`` then overwrites; the forward's P V and the backward's dP, dQ, dK and dV skip
   them too).
@@ -72,36 +72,26 @@ def band_columns(r0, mr, rows, q0, k0, n_q, kv_len, left, right, block_k, width)
 
 
 @helper
-def band_run(r0, bq, banded, rows, q0, k0, n_q, kv_len, left, right, block_k, width):
-    """``(need, r1)``: the tile rows ``[r0, r1)``, whole blocks of ``MICRO_ROWS`` from ``r0``
-    (a multiple of it) up to ``bq``, that need the same columns of the key tile from ``k0``
-    computed (``band_columns``: the first ``need``, 0 for none), as many blocks as do. On a
-    tile that crosses no mask edge (not ``banded``) every row needs all ``block_k``. The
-    products over a masked tile run once per such run of rows, from one call site each (each
-    call of a product inlines its micro-kernels, and compile time grows with them)."""
-    if not banded:
-        return block_k, bq
-    mr = config.MICRO_ROWS
-    need = band_columns(r0, mr, rows, q0, k0, n_q, kv_len, left, right, block_k, width)
-    r1 = min(r0 + mr, bq)  # (query blocks are whole micro-tiles: the min only guards)
-    while r1 < bq and band_columns(r1, mr, rows, q0, k0, n_q, kv_len, left, right, block_k,
-                                   width) == need:
-        r1 = min(r1 + mr, bq)
-    return need, r1
-
-
-
-@helper
 def band_runs(runs, bq, banded, rows, q0, k0, n_q, kv_len, left, right, block_k, width):
-    """The runs of ``band_run`` over a tile's ``bq`` rows, in order, into ``runs`` (an int64
-    array of at least ``bq // MICRO_ROWS`` rows of three): ``(r0, r1, need)`` each; returns
-    how many. For a kernel that walks the same runs several times (the backward pass: S, P,
-    dP and dQ)."""
+    """The runs of whole ``MICRO_ROWS`` row blocks of a tile's ``bq`` rows that need the same
+    columns of the key tile from ``k0`` computed (``band_columns``: the first ``need``, 0 for
+    none), in order, as many blocks a run as do, into ``runs`` (an int64 array of at least
+    ``ceil(bq / MICRO_ROWS)`` rows of three): ``(r0, r1, need)`` each; returns how many. On a
+    tile that crosses no mask edge (not ``banded``), one run of every row and all ``block_k``
+    keys. The products over a tile run once per run, each from one call site (each call of a
+    product inlines its micro-kernels, and compile time grows with them)."""
+    if not banded:
+        runs[0, 0], runs[0, 1], runs[0, 2] = 0, bq, block_k
+        return 1
+    mr = config.MICRO_ROWS
     n = 0
     r0 = 0
     while r0 < bq:
-        need, r1 = band_run(r0, bq, banded, rows, q0, k0, n_q, kv_len, left, right, block_k,
-                            width)
+        need = band_columns(r0, mr, rows, q0, k0, n_q, kv_len, left, right, block_k, width)
+        r1 = min(r0 + mr, bq)  # (query blocks are whole micro-tiles: the min only guards)
+        while r1 < bq and band_columns(r1, mr, rows, q0, k0, n_q, kv_len, left, right,
+                                       block_k, width) == need:
+            r1 = min(r1 + mr, bq)
         runs[n, 0], runs[n, 1], runs[n, 2] = r0, r1, need
         n += 1
         r0 = r1
@@ -114,7 +104,7 @@ def panel_runs(runs, n_runs, width, out):
     ``need`` rounds up to the same multiple of ``width`` (a panel of keys), into ``out`` as
     ``(r0, r1, need)`` with ``need`` so rounded; returns how many: the runs of ``band_runs`` in
     steps of ``width``, for the products that take whole panels (the score products), from the
-    runs that the others take (P V, dQ) without a second pass over the rows."""
+    runs that the forward's P V takes, without a second pass over the rows."""
     n = 0
     i = 0
     while i < n_runs:
@@ -126,6 +116,7 @@ def panel_runs(runs, n_runs, width, out):
         n += 1
         i = j
     return n
+
 
 @helper
 def fill(s, start, stop, value, portable):
