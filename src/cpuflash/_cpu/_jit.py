@@ -37,6 +37,7 @@ import warnings
 import numba
 import numpy as np
 from numba.core import types
+from numba.core.registry import CPUDispatcher
 
 from .. import config
 
@@ -219,6 +220,17 @@ def kernel(fn=None, *, strided=(), read_only=(), parallel=True):
     return Kernel(_jit(fn, **flags), _jit(fn, **flags), strided, read_only, parallel)
 
 
+def renamed(fn, suffix, **globals_):
+    """The function ``fn`` once more, as ``<name>_<suffix>`` (its own cache files), the same code
+    object with a copy of its module's globals updated by ``globals_``: make it after everything
+    ``fn`` calls is defined."""
+    twin = pytypes.FunctionType(fn.__code__, dict(fn.__globals__, **globals_),
+                                f"{fn.__name__}_{suffix}", fn.__defaults__, fn.__closure__)
+    twin.__qualname__ = f"{fn.__qualname__}_{suffix}"
+    twin.__doc__, twin.__module__ = fn.__doc__, fn.__module__
+    return twin
+
+
 def portable_twin(kern):
     """The kernel ``kern`` once more, with its module's global ``PORTABLE`` (False in the
     module) True: the portable pure-Numba fallback as a kernel of its own.
@@ -229,19 +241,45 @@ def portable_twin(kern):
     both paths were compiled into every kernel: the first SIMD forward call compiled in
     19-22 s against 16.5-18.5 s this way, alternating processes on empty caches, stop 29, both
     sides then without the helpers' Python wrappers; the final code: 18.0-19.2 s, against
-    24.4 s before this and the dropped cfunc wrappers.) The twin is
-    the same code object under another name (``<name>_portable``, its own cache files) with a
-    copy of the module's globals: make it after everything the kernel calls is defined."""
-    fn = kern.py_func
-    twin = pytypes.FunctionType(fn.__code__, dict(fn.__globals__, PORTABLE=True),
-                                f"{fn.__name__}_portable", fn.__defaults__, fn.__closure__)
-    twin.__qualname__ = f"{fn.__qualname__}_portable"
-    twin.__doc__, twin.__module__ = fn.__doc__, fn.__module__
-    return kernel(twin, **kern.options)
+    24.4 s before this and the dropped cfunc wrappers.) The twin is ``renamed``: the same code
+    object under ``<name>_portable``."""
+    return kernel(renamed(kern.py_func, "portable", PORTABLE=True), **kern.options)
 
 
-# The flags of every serial helper (``helper``, ``micro_helper``).
-HELPER_FLAGS = dict(nogil=True, fastmath=FASTMATH, error_model="numpy", no_cfunc_wrapper=True)
+# The flags of every serial helper (``helper``, ``micro_helper``): compiled without the
+# wrappers that make a function callable from C or from Python (``Helper``).
+HELPER_FLAGS = dict(nogil=True, fastmath=FASTMATH, error_model="numpy", no_cfunc_wrapper=True,
+                    no_cpython_wrapper=True)
+
+
+class Helper(CPUDispatcher):
+    """The dispatcher of a helper: compiled for the kernels that call it, without the wrapper
+    that converts Python objects to its arguments and back, which nothing of the kernels calls.
+    Numba compiles a helper once per combination of literal arguments (see ``helper``), 72
+    libraries for the first forward call, and each wrapper cost its share of LLVM's work:
+    measured at stop 53 (Intel Xeon, cold forward N=2048 compiles, pairs run at once on the two
+    cores, 11 pairs), 15.0-18.7 s without the wrappers against 15.9-20.0 s with them, faster
+    in 10 of 11 pairs by 1.3 s on average.
+
+    A call from Python would run the missing wrapper (a crash); here it goes to a twin made on
+    the first such call (``renamed``: ``<name>_py``, its own cache files, compiled with the
+    wrapper), so that tests and benchmarks can call helpers as before."""
+
+    def __call__(self, *args, **kwargs):
+        twin = self.__dict__.get("_python_twin")
+        if twin is None:
+            flags = {k: v for k, v in HELPER_FLAGS.items() if k != "no_cpython_wrapper"}
+            if self.targetoptions.get("inline") is not None:
+                flags["inline"] = self.targetoptions["inline"]
+            twin = self.__dict__.setdefault("_python_twin",
+                                            _jit(renamed(self.py_func, "py"), **flags))
+        return twin(*args, **kwargs)
+
+
+def _helper_jit(fn, **flags):
+    dispatcher = _jit(fn, **flags)
+    dispatcher.__class__ = Helper  # the same object and layout; calls from Python go to a twin
+    return dispatcher
 
 
 def helper(fn):
@@ -254,10 +292,9 @@ def helper(fn):
     ``portable``/``accumulate`` flags then no longer specialize the helpers. Kept as it is.
 
     Helpers are compiled without the wrapper that makes a function callable from C (nothing
-    takes their address). They keep the one for Python: tests call some of them directly, and
-    without it (``no_cpython_wrapper``, tried at stop 29: about 2 s less compiling for the
-    first forward call) a call from Python crashes the interpreter instead of raising."""
-    return _jit(fn, **HELPER_FLAGS)
+    takes their address), nor the one for Python (``Helper``: a call from Python, as the tests
+    make, goes to a twin compiled with it)."""
+    return _helper_jit(fn, **HELPER_FLAGS)
 
 
 def micro_helper(fn):
@@ -268,4 +305,4 @@ def micro_helper(fn):
     call with some 20 arguments passed on the stack, and the tile products lost 2-6 %
     (stop 43, Zen 4, one core, a hot 128 x 128 tile at D=64, ``bench/cpu_tile_products.py``:
     S = Q K^T 19.72 -> 18.63 us, P V 18.62 -> 18.24 us)."""
-    return _jit(fn, inline="always", **HELPER_FLAGS)
+    return _helper_jit(fn, inline="always", **HELPER_FLAGS)
