@@ -181,3 +181,27 @@ def test_portable_fallback_runs_as_kernels_of_their_own(monkeypatch):
         for got, want in zip(grads, expected):
             assert np.max(np.abs(got - want)) < 1e-4 * max(1.0, np.max(np.abs(want)))
     assert ran == ["forward", "backward", "forward_portable", "backward_portable"]
+
+
+def test_helpers_have_no_python_wrapper_and_calls_from_python_go_to_a_twin():
+    """Helpers compile without the wrapper for calls from Python (``_jit.Helper``): kernels
+    call them directly, and a call from Python runs a twin ``<name>_py`` compiled with one
+    (the same code, its own cache files). Both give the same bits, and the dot product's."""
+    helper = decode.dot_rows
+    assert isinstance(helper, _jit.Helper)
+    assert helper.targetoptions.get("no_cpython_wrapper") is True
+    q_s = np.linspace(-1.0, 1.0, 37, dtype=np.float32)
+    kf = np.linspace(2.0, -3.0, 80, dtype=np.float32)
+
+    @numba.njit
+    def through_jitted_code(q_s, kf):
+        return helper(q_s, 0, kf, 5, 37, 32)
+
+    by_python = helper(q_s, 0, kf, 5, 37, 32)
+    assert by_python == through_jitted_code(q_s, kf)
+    exact = np.dot(q_s.astype(np.float64), kf[5:42].astype(np.float64))
+    assert abs(by_python - exact) < 1e-5
+    twin = helper.__dict__["_python_twin"]
+    assert twin.py_func.__name__ == "dot_rows_py"
+    assert twin.py_func.__code__ is helper.py_func.__code__
+    assert "no_cpython_wrapper" not in twin.targetoptions
