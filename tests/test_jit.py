@@ -1,5 +1,7 @@
 """The kernels compile once per dtype combination (``_cpu/_jit.Kernel``), not per array layout,
 flag or mask kind, and give the same results whatever layout they are called with."""
+import os
+
 import numba
 import numpy as np
 import pytest
@@ -7,7 +9,7 @@ from numba.core import types
 
 import cpuflash
 from cpuflash import reference
-from cpuflash._cpu import _jit, backward, decode, forward
+from cpuflash._cpu import _ir_only, _jit, backward, decode, forward
 from conftest import assert_close_to_reference, rands
 
 
@@ -205,3 +207,44 @@ def test_helpers_have_no_python_wrapper_and_calls_from_python_go_to_a_twin():
     assert twin.py_func.__name__ == "dot_rows_py"
     assert twin.py_func.__code__ is helper.py_func.__code__
     assert "no_cpython_wrapper" not in twin.targetoptions
+
+
+_IR_USER = r"""
+import sys
+import numba
+import numpy as np
+from cpuflash._cpu import _ir_only, decode
+
+@numba.njit(cache=True)
+def dot_{which}(q_s, kf):
+    return decode.dot_rows(q_s, 0, kf, 5, 37, 32)
+
+q_s = np.linspace(-1.0, 1.0, 37, dtype=np.float32)
+kf = np.linspace(2.0, -3.0, 80, dtype=np.float32)
+got = dot_{which}(q_s, kf)
+exact = np.dot(q_s.astype(np.float64), kf[5:42].astype(np.float64))
+assert abs(got - exact) < 1e-5, (got, exact)
+(cres,) = decode.dot_rows.overloads.values()
+assert cres.library.serialize_using_object_code()[1] == _ir_only.IR_KIND
+print(sum(decode.dot_rows._cache_hits.values()), sum(decode.dot_rows._cache_misses.values()))
+"""
+
+
+@pytest.mark.skipif(not _ir_only.INSTALLED, reason="this Numba lacks the internals it hooks")
+def test_helpers_are_kept_as_ir_and_cached_as_ir(tmp_path):
+    """A helper's library is finalized without machine code and saved in the disk cache as
+    its IR (``_ir_only``): a first process compiles it for one jitted caller; a second loads
+    it from the cache (a hit, no miss) for another, and both callers compute the dot product."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"))
+    counts = []
+    for which in ("first", "second"):
+        script = tmp_path / f"{which}.py"
+        script.write_text(_IR_USER.replace("{which}", which))
+        run = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+                             text=True, timeout=300)
+        assert run.returncode == 0, run.stderr
+        counts.append(tuple(int(n) for n in run.stdout.split()))
+    assert counts == [(0, 1), (1, 0)]

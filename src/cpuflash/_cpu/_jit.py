@@ -40,6 +40,7 @@ from numba.core import types
 from numba.core.registry import CPUDispatcher
 
 from .. import config
+from . import _ir_only
 
 try:
     import fcntl
@@ -277,6 +278,8 @@ class Helper(CPUDispatcher):
 
 
 def _helper_jit(fn, **flags):
+    if _ir_only.INSTALLED:
+        _ir_only.register(fn)
     dispatcher = _jit(fn, **flags)
     dispatcher.__class__ = Helper  # the same object and layout; calls from Python go to a twin
     return dispatcher
