@@ -93,3 +93,32 @@ def test_values_off_a_cache_line_are_packed_not_read_in_place(off_bytes):
     got = cpuflash.attention(q, k, v)
     assert np.array_equal(got, cpuflash.attention(q, k, np.ascontiguousarray(v).copy()))
     np.testing.assert_allclose(got, reference.attention(q, k, v), atol=2e-6)
+
+
+def test_values_on_and_off_a_cache_line_share_one_packing_compilation(monkeypatch):
+    """Whether V is read in place depends on where numpy put it; either way the forward packs
+    K (and V) with one specialization of ``pack_tiles`` (an empty ``vn`` where V is read in
+    place), so a first call never compiles another for where its V happens to lie. Packed K
+    and in-place V give the same bits as K and V both packed."""
+    d, block_k = config.panel_width(np.dtype(np.float32)), 64
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((1, 2, 40, d)).astype(np.float32)
+    k = rng.standard_normal((1, 2, 2 * block_k, d)).astype(np.float32)
+    calls = []
+
+    def recording(*args):
+        calls.append(pack_tiles.canonical(args))
+        return pack_tiles(*args)
+
+    monkeypatch.setattr(pack, "pack_tiles", recording)
+    outs = []
+    for off_bytes in (0, 16):
+        v = _off_line((1, 2, 2 * block_k, d), off_bytes=off_bytes)
+        v[...] = np.linspace(-2.0, 2.0, v.size, dtype=np.float32).reshape(v.shape)
+        kt, vn = pack.packed_kv(k, v, block_k, config.lanes(np.dtype(np.float32)), d)
+        assert np.shares_memory(vn, v) == (off_bytes == 0)
+        outs.append(cpuflash.attention(q, k, v))
+        assert np.array_equal(kt, pack.packed_transposed(k, block_k, d, "test_keys"))
+    assert len(calls) == 6 and calls[0] == calls[1] == calls[3] == calls[4]
+    assert np.array_equal(outs[0], outs[1])
+    np.testing.assert_allclose(outs[0], reference.attention(q, k, v), atol=2e-6)

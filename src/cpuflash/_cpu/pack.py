@@ -125,13 +125,15 @@ def pack_tiles(k, v, block_k, w, kt, vtt, kn, vn):
 
     A copy not wanted is None, and Numba compiles one specialization per combination: an
     ``is None`` test of an argument is decided before typing, so each holds only the copies it
-    makes (the forward pass's first call compiled the four in 8.3 s)."""
+    makes (the forward pass's first call compiled the four in 8.3 s). ``vn`` may also be
+    empty: not wanted either, in the specialization that packs it (``packed_kv``)."""
     n_k, d, dv = k.shape[2], k.shape[3], v.shape[3]
     kf, vf = k.reshape(-1), v.reshape(-1)
     n_blocks = max(1, (n_k + block_k - 1) // block_k)
     n_tiles = k.shape[0] * k.shape[1] * n_blocks  # of each copy
-    n_copies = ((kt is not None) + (vtt is not None) + (kn is not None)
-                + (vn is not None))
+    n_copies = (kt is not None) + (vtt is not None) + (kn is not None)
+    if vn is not None:
+        n_copies += vn.size > 0  # an empty ``vn``: V read in place, K alone (``packed_kv``)
     for task in prange(n_tiles * n_copies):
         tile, which = task // n_copies, task % n_copies  # a tile's copies side by side
         if kt is not None:
@@ -409,19 +411,27 @@ def packed_rows(x, block_k, lanes, panel_width, name, zero_nonfinite=False, pack
 
 def packed_kv(k, v, block_k, lanes, panel_width):
     """Keys transposed and values as rows, packed for the forward pass: in one parallel region
-    (``pack_tiles``) where both are C-contiguous and V must be packed."""
+    (``pack_tiles``) where both are C-contiguous.
+
+    V is read in place where it already has the packed layout and starts on a cache line
+    (``packed_rows``), which depends on where numpy put it. K alone is then packed by the same
+    specialization of ``pack_tiles``, with an empty ``vn``: with a specialization for each
+    case, a process whose V fell the other way than the cached first call's compiled the
+    other at its first call (1.2-2.3 s, stop 53, against 0.2 s)."""
     n_b, n_h, n, d = k.shape
     dv = v.shape[3]
     vn = packed_rows(v, block_k, lanes, panel_width, "values", pack=False)
-    if vn is not None or not (k.flags.c_contiguous and v.flags.c_contiguous
-                              and dv % lanes == 0 and n > 0):
+    if not (k.flags.c_contiguous and v.flags.c_contiguous and dv % lanes == 0 and n > 0):
         return (packed_transposed(k, block_k, panel_width, "keys"),
                 vn if vn is not None else packed_rows(v, block_k, lanes, panel_width, "values"))
     n_blocks = -(-n // block_k)
     kt = workspace("keys", (n_b * n_h, n_blocks, d * block_k), k.dtype)
-    vn = workspace("values", (n_b * n_h, n_blocks, block_k * dv), k.dtype)
+    in_place = vn is not None
+    if not in_place:
+        vn = workspace("values", (n_b * n_h, n_blocks, block_k * dv), k.dtype)
     if kt.size:
-        pack_tiles(k, v, block_k, panel_width, kt, None, None, vn)
+        pack_tiles(k, v, block_k, panel_width, kt, None, None,
+                   np.empty((0, 0, 0), k.dtype) if in_place else vn)
     return kt, vn
 
 
