@@ -11,7 +11,7 @@ cache such a library is saved as that IR (``IR_KIND``), and loaded as it was sav
 
 Measured at stop 53 (Intel Xeon, empty caches, pairs of processes run at once on the two
 cores, against the same code with helpers compiled to machine code): the first forward call
-at N=2048 14.5-17.7 s against 16.1-18.3 s, faster in 6 of 6 pairs by 1.7 s on average; a
+at N=2048 14.5-17.7 s against 17.0-18.3 s, faster in 6 of 6 pairs by 1.7 s on average; a
 backward compiled in a second process that finds the forward's helpers in the disk cache
 20.7-23.5 s against 21.1-25.5 s (3 of 3).
 

@@ -259,7 +259,7 @@ class Helper(CPUDispatcher):
     Numba compiles a helper once per combination of literal arguments (see ``helper``), 72
     libraries for the first forward call, and each wrapper cost its share of LLVM's work:
     measured at stop 53 (Intel Xeon, cold forward N=2048 compiles, pairs run at once on the two
-    cores, 11 pairs), 15.0-18.7 s without the wrappers against 15.9-20.0 s with them, faster
+    cores, 11 pairs), 14.7-18.7 s without the wrappers against 15.9-20.0 s with them, faster
     in 10 of 11 pairs by 1.3 s on average.
 
     A call from Python would run the missing wrapper (a crash); here it goes to a twin made on
