@@ -20,6 +20,9 @@ this way; everything else Numba compiles is untouched. The hooks replace three N
 internals (``CPUContext.get_executable``, ``CPUCodeLibrary._unserialize``,
 ``JITCPUCodegen.set_env``) and use a library's link list and final module; where a Numba
 version lacks them, none is installed (``INSTALLED``) and helpers are compiled as before.
+Checked with the kernels' tests on numba 0.59.1, 0.64.0 and 0.68.1 (``.ci/run`` runs the oldest
+and the newest). Until stop 54 ``finalize_as_ir`` also assumed ``_reload_init``, which
+libraries have only since numba 0.60: on 0.59 every first compile failed.
 """
 import llvmlite.binding as ll
 from numba import _dynfunc
@@ -46,7 +49,8 @@ def finalize_as_ir(library):
     for linked in library._linking_libraries:
         if linked not in seen:
             seen.add(linked)
-            library._reload_init.update(linked._reload_init)
+            if hasattr(library, "_reload_init"):  # Numba >= 0.60: the parent inherits it
+                library._reload_init.update(linked._reload_init)
             library._final_module.link_in(linked._get_module_for_linking(), preserve=True)
     library._optimize_final_module()
     library._finalized = True
