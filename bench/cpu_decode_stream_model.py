@@ -11,9 +11,9 @@ vector multiply-adds (4: as the kernel's products for a group of 4 query rows, s
 ``d`` > 0 hints each line it reads ``d`` bytes ahead into L2 (``simd.prefetch_line``, as the
 kernel's products do ``decode.AHEAD`` chunks ahead). Each round times every distance's best of
 ``--repeats`` passes over all layers, and the streaming read of as many bytes beside them; GB/s
-of K/V read. Measured at stop 54 (Intel Xeon, 19 layers, 4 FMAs): no hints 16-24 GB/s, hints
-2-32 KiB ahead 21-32 (the best of them 26-32), against a read of 25-35; 1 FMA without hints
-at the read's speed. Not
+of K/V read. Measured at stop 54 (Intel Xeon, 19 layers): 4 FMAs a vector without hints
+16.8-17.2 GB/s, with hints 2, 32 or 64 KiB ahead 21.3-24.2, against a read of 27.6-28.5; 1 FMA
+a vector without hints 26.3 (read 28.3-28.4). Not
 collected by pytest.
 
     python bench/cpu_decode_stream_model.py [--rounds 4] [--fmas 4] [--distances 0,512,2048,8192,32768]

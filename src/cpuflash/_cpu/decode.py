@@ -13,7 +13,8 @@ read once per call, straight from the caller's array (rows must be unit-stride):
 With K transposed, or in KVCache's blocks of KEY_BLOCK keys (each their K^T, contiguous), a
 chunk's scores are a tile product over all D rows of K^T (``transposed_scores``). The
 products hint the rows they will read ``AHEAD * CHUNK`` keys later into L2, so that K/V stream
-in while the core computes on the current chunk: K and V where K is stored in float16 or int8
+in while the core computes on the current chunk, and (since stop 54) the rows 8 KiB on into L1
+(``simd.NEAR_ROWS``): K and V where K is stored in float16 or int8
 or transposed in whole rows (which is also hinted a block ahead a few rows at a time,
 ``HINT_BLOCK``); neither for K in the compute dtype, by rows or in KVCache's blocks (on
 Intel's cores, both for every layout: ``hinted``).
