@@ -538,7 +538,8 @@ PREFETCH_LOCALITY = 2
 # steps a round, 6 rounds each; GB/s): float32, 32 rows (8 KiB of rows of 64) 22.4-23.3
 # against 19.7-20.8 without, 32 rows into L2 instead 21.9-22.6, 64 rows 21.9-22.4, 32 rows into
 # L1 without the far hints 18.8-20.1; in a faster spell 8 rows 26.8-27.7 against 25.2-25.7;
-# float16, 64 rows against none: faster in 5 of 6 rounds, median 1.08x (32 rows: 1.02x).
+# float16 (bound by its arithmetic), 64 rows against none: median 1.08x in one run (5 of 6
+# rounds), 1.00x in another; 32 rows 1.01-1.02x, 128 rows 0.99x.
 NEAR_ROWS = 32
 NEAR_LOCALITY = 3
 
