@@ -340,6 +340,20 @@ def test_row_blocking_never_changes_the_bits(ahead, rows):
     np.testing.assert_allclose(whole.reshape(rows, cols), expect, rtol=0, atol=1e-5 * k)
 
 
+def test_prefetching_product_hints_each_row_into_l2_and_l1():
+    """The decode kernel's prefetching product (``tile_product_ahead``) hints each row of B
+    ``ahead`` elements on into L2 (locality 2) and ``simd.NEAR_ROWS`` rows on into L1
+    (locality 3). A hint changes no result: the prefetching product's bits are checked in
+    ``test_row_blocking_never_changes_the_bits``."""
+    a = np.ones(4 * 8, dtype=np.float32)
+    b = np.ones(8 * 2 * PANEL, dtype=np.float32)
+    _row_blocks(a, b, 4, 2 * PANEL, 8, True)
+    (llvm,) = _row_blocks.inspect_llvm().values()
+    hints = [line for line in llvm.splitlines() if "call void @llvm.prefetch" in line]
+    localities = {line.rsplit("i32", 2)[1].strip(" ,") for line in hints}
+    assert localities == {"2", "3"}, hints[:4]
+
+
 @numba.njit
 def _scaled_rows(x, scale, portable):
     rows, n = x.shape

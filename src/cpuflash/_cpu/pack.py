@@ -12,6 +12,7 @@ Keys past ``Nk`` and columns past ``Dv`` are zero. Inputs may have any strides (
 broadcast views) and are read once; the packed copies are O(N), like the inputs.
 """
 import ctypes
+import functools
 import math
 import mmap
 import sys
@@ -409,6 +410,13 @@ def packed_rows(x, block_k, lanes, panel_width, name, zero_nonfinite=False, pack
     return xr
 
 
+@functools.lru_cache(maxsize=4)
+def _no_copy(dtype):
+    """``pack_tiles``' empty ``vn`` for ``dtype``: V read in place, no copy of it. Made once
+    (size 0: nothing ever writes to it), not on each forward call."""
+    return np.empty((0, 0, 0), dtype)
+
+
 def packed_kv(k, v, block_k, lanes, panel_width):
     """Keys transposed and values as rows, packed for the forward pass: in one parallel region
     (``pack_tiles``) where both are C-contiguous.
@@ -431,7 +439,7 @@ def packed_kv(k, v, block_k, lanes, panel_width):
         vn = workspace("values", (n_b * n_h, n_blocks, block_k * dv), k.dtype)
     if kt.size:
         pack_tiles(k, v, block_k, panel_width, kt, None, None,
-                   np.empty((0, 0, 0), k.dtype) if in_place else vn)
+                   _no_copy(k.dtype) if in_place else vn)
     return kt, vn
 
 
