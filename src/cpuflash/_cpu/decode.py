@@ -379,8 +379,7 @@ def combine_row(m_part, l_part, acc_part, out, lse, b, h, i):
 def decode(q, k, k_strides, k_block, k_panel, k_storage, prefetch, v, v_strides, v_block,
            v_panel, k_scale_4, ks_strides, v_scale_4, vs_strides, n_hkv, n_k, d, dv, n_splits,
            chunk, scale2, left, right, kv_lens, softcap2, slopes2, mask_bools, mask_adds,
-           mask_is_bool, mask_given, drop_below, inv_keep, seed, m_part, l_part, acc_part, out,
-           lse, serial_merge):
+           mask_is_bool, mask_given, drop_below, inv_keep, seed, out, lse, serial_merge):
     """q: (B, Hq, Nq, D) any strides, compute dtype. k, v: 4-D arrays in their storage type
     (the compute dtype, float16 bits as uint16, or int8), read through 1-D views ``kf``,
     ``vf`` from their first elements (``span_of``: made here, not by a Python call per step).
@@ -409,9 +408,13 @@ def decode(q, k, k_strides, k_block, k_panel, k_storage, prefetch, v, v_strides,
     ``causal``) are never read, nor values before the first; a window's first chunk starts at
     a multiple of CHUNK, so up to CHUNK - 1 keys before the band are read, their scores
     masked.
-    Writes per split: m_part, l_part (n_splits, B, Hq, Nq) and acc_part (..., Dv); then merges
-    them into out (B, Hq, Nq, Dv) and lse (B, Hq, Nq) (``combine_row``), in this call: a
-    second call would cost a dispatch and its Python, 15 us of a 0.7 ms step. The merge runs
+    Each split leaves its m, l (``m_part``, ``l_part``: (n_splits, B, Hq, Nq), made here) and
+    its unnormalized output (``acc_part``, (..., Dv)); then they are merged into out (B, Hq,
+    Nq, Dv, C-contiguous, the compute dtype) and lse (B, Hq, Nq) (``combine_row``), in this
+    call: a second call would cost a dispatch and its Python, 15 us of a 0.7 ms step. The
+    partial results are made here, not by the caller: each array made in Python and passed in
+    cost a numpy call and a dispatch's unboxing, paid per step in Python that runs right after
+    a step has swept the caches (``StepPlan``). The merge runs
     on this thread if ``serial_merge``, else spread over the threads (the same arithmetic per
     row either way)."""
     n_b, n_hq, n_q, _ = q.shape
@@ -419,6 +422,9 @@ def decode(q, k, k_strides, k_block, k_panel, k_storage, prefetch, v, v_strides,
     k_scale, v_scale = span_of(k_scale_4), span_of(v_scale_4)
     group = n_hq // n_hkv
     rows = group * n_q
+    m_part = np.empty((n_splits, n_b, n_hq, n_q), dtype=out.dtype)
+    l_part = np.empty((n_splits, n_b, n_hq, n_q), dtype=out.dtype)
+    acc_part = np.empty((n_splits, n_b, n_hq, n_q, dv), dtype=out.dtype)
     lanes = simd.lanes_of(m_part)
     d_vec = d // lanes * lanes
     dv_vec = dv // lanes * lanes
@@ -573,6 +579,12 @@ def decode(q, k, k_strides, k_block, k_panel, k_storage, prefetch, v, v_strides,
         for row in prange(n_rows):
             b, h, i = unravel(row, n_hq, n_q)
             combine_row(m_part, l_part, acc_part, out, lse, b, h, i)
+
+
+def merges_serially(n_splits, out_size):
+    """Whether the decode kernel merges its splits on one thread: where the partial outputs
+    (``n_splits`` times the output's ``out_size`` elements) are few (``SERIAL_COMBINE``)."""
+    return n_splits * out_size <= SERIAL_COMBINE
 
 
 def element_strides(x, unit_axes=(3,)):
@@ -750,9 +762,6 @@ def decode_args(q, k, v, scale, band, mods, user_mask, drop, out=None, kv_scales
         (k_scale, ks_strides), (v_scale, vs_strides) = (_scales_4d(x) for x in kv_scales)
     n_splits = split_count(n_b, n_hkv, n_k)
     chunk = chunk_keys(n_hq // n_hkv * n_q, dtype.itemsize)
-    m_part = np.empty((n_splits, n_b, n_hq, n_q), dtype=dtype)
-    l_part = np.empty((n_splits, n_b, n_hq, n_q), dtype=dtype)
-    acc_part = np.empty((n_splits, n_b, n_hq, n_q, dv), dtype=dtype)
     if out is None:
         out = np.empty((n_b, n_hq, n_q, dv), dtype=dtype)
     if lse is None:
@@ -763,15 +772,14 @@ def decode_args(q, k, v, scale, band, mods, user_mask, drop, out=None, kv_scales
     return [q, k_store, k_steps, k_block, k_panel, k_storage, prefetch, v_store, v_steps,
             v_block, v_panel, k_scale, ks_strides, v_scale, vs_strides, n_hkv, n_k, d, dv,
             n_splits, chunk, scale * LOG2_E, left, right, kv_lens, softcap2, slopes2,
-            *user_mask.kernel_args(), user_mask.given, drop[0], drop[2], drop[1], m_part,
-            l_part, acc_part, out, lse, acc_part.size <= SERIAL_COMBINE]
+            *user_mask.kernel_args(), user_mask.given, drop[0], drop[2], drop[1], out, lse,
+            merges_serially(n_splits, out.size)]
 
 
 # The decode kernel's arguments by name: their places in ``decode_args``' list.
 ARG = {name: i for i, name in enumerate(inspect.signature(decode.py_func).parameters)}
 # Those that ``StepPlan.run`` makes anew for each step, and their places.
-PER_STEP = ("q", "n_k", "n_splits", "kv_lens", "m_part", "l_part", "acc_part", "out", "lse",
-            "serial_merge")
+PER_STEP = ("q", "n_k", "n_splits", "kv_lens", "out", "serial_merge")
 PER_STEP_AT = tuple(ARG[name] for name in PER_STEP)
 K_SCALE_AT, V_SCALE_AT = ARG["k_scale_4"], ARG["v_scale_4"]
 
@@ -780,9 +788,11 @@ class StepPlan:
     """Decode steps of one KVCache layer for queries of one shape and dtype, one ``causal``
     and one ``scale``: the kernel's argument list of one such step (``decode_args``), kept,
     with what changes from step to step made anew by ``run`` (``PER_STEP``: the queries, the
-    number of keys and what follows from it, the partial results and the output; and an int8
-    cache's scales over that length) the way ``decode_args`` makes it. The same kernel on
-    the same arguments as the plain path: the same bits.
+    number of keys and what follows from it, and the output; and an int8 cache's scales over
+    that length) the way ``decode_args`` makes it. The same kernel on the same arguments as
+    the plain path: the same bits. The log-sum-exp, which no step
+    returns, goes to one array the plan keeps (two threads' steps of one plan at once write it
+    both, and nobody reads it).
 
     Why: a step from DRAM runs right after the previous layer's kernel has swept every cache,
     and there the Python of the plain decode path (``api._plain_decode``: checks, stand-ins,
@@ -793,16 +803,15 @@ class StepPlan:
     Hkv=12) 1.14-1.15x, from DRAM 1.02-1.03x; the planned step within 0.4 % of the kernel
     called alone."""
 
-    __slots__ = ("args", "n_b", "n_hkv", "shapes", "dtype", "scales")
+    __slots__ = ("args", "n_b", "n_hkv", "out_shape", "dtype", "scales")
 
     def __init__(self, args, scales=None):
         """``args``: a step's ``decode_args``; ``scales``: an int8 cache's ``(k_scale,
         v_scale)`` of the layer over all its ``max_len`` tokens, (B, Hkv, max_len) each (the
         step reads its first ``n_k``), else None."""
-        q, m_part, acc_part = (args[ARG[name]] for name in ("q", "m_part", "acc_part"))
+        q = args[ARG["q"]]
         self.n_b, self.n_hkv = q.shape[0], args[ARG["n_hkv"]]
-        self.shapes = (m_part.shape[1:], acc_part.shape[1:], args[ARG["out"]].shape,
-                       args[ARG["lse"]].shape)
+        self.out_shape = args[ARG["out"]].shape
         self.dtype = q.dtype
         self.args = list(args)
         for at in PER_STEP_AT + ((K_SCALE_AT, V_SCALE_AT) if scales is not None else ()):
@@ -812,20 +821,14 @@ class StepPlan:
     def run(self, q, n_k):
         """The step's output for ``q`` (of the plan's shape and dtype) over the layer's first
         ``n_k`` keys (``n_k >= 1``)."""
-        part_shape, acc_shape, out_shape, lse_shape = self.shapes
-        dtype = self.dtype
         n_splits = split_count(self.n_b, self.n_hkv, n_k)
-        acc_part = np.empty((n_splits,) + acc_shape, dtype=dtype)
-        out = np.empty(out_shape, dtype=dtype)
+        out = np.empty(self.out_shape, dtype=self.dtype)
         args = self.args.copy()
-        for at, value in zip(PER_STEP_AT, (
-                q, n_k, n_splits, key_lengths(None, self.n_b, n_k),
-                np.empty((n_splits,) + part_shape, dtype=dtype),
-                np.empty((n_splits,) + part_shape, dtype=dtype), acc_part, out,
-                np.empty(lse_shape, dtype=dtype), acc_part.size <= SERIAL_COMBINE)):
+        for at, value in zip(PER_STEP_AT, (q, n_k, n_splits, key_lengths(None, self.n_b, n_k),
+                                           out, merges_serially(n_splits, out.size))):
             args[at] = value
         if self.scales is not None:
             args[K_SCALE_AT] = _scales_4d(self.scales[0][:, :, :n_k])[0]
             args[V_SCALE_AT] = _scales_4d(self.scales[1][:, :, :n_k])[0]
-        decode(*args)
+        decode.call_built(args)
         return out
