@@ -61,7 +61,13 @@ def main(argv=None):
         cache.attention(layer, q)  # checked: each layer's plan
     kernel_args = []
     kernel = decode.decode
-    decode.decode = lambda *args: kernel_args.append(args) or kernel(*args)
+
+    class Capture:  # the kernel, keeping the arguments of each plan's call (``call_built``)
+        def call_built(self, args):
+            kernel_args.append(args)
+            return kernel.call_built(args)
+
+    decode.decode = Capture()
     try:
         for layer in range(a.layers):
             cache.attention(layer, q)  # from the plan
