@@ -72,6 +72,21 @@ def test_canonical_signature():
         _jit.kernel(fn, strided=("nope",), parallel=False)
 
 
+def test_call_built_compiles_on_first_use_and_shares_the_specializations():
+    """``Kernel.call_built`` (a step plan's call: an argument list the package made, whose
+    integers are not checked again) compiles on its first use as a call does, and both take
+    the same specialization."""
+    def fn(a, n):
+        return a[0] * n
+
+    kern = _jit.kernel(fn, parallel=False)
+    a = np.arange(3.0) + 2.0
+    assert kern.call_built([a, 3]) == 6.0
+    assert kern(a, 4) == 8.0
+    assert kern.call_built((a, 5)) == 10.0
+    assert len(kern.dispatcher.overloads) == 1
+
+
 def test_first_calls_from_threads_at_once():
     """Threads whose first calls of a kernel come at once all get their result (the
     compilation flag is set and cleared under a lock, not raced)."""
