@@ -263,3 +263,76 @@ def test_helpers_are_kept_as_ir_and_cached_as_ir(tmp_path):
         assert run.returncode == 0, run.stderr
         counts.append(tuple(int(n) for n in run.stdout.split()))
     assert counts == [(0, 1), (1, 0)]
+
+
+_PARFOR_USER = r"""
+import sys
+import numba
+import numpy as np
+from numba.core import codegen
+from cpuflash._cpu import _ir_only, _jit
+
+_ir_only.PARFORS = sys.argv[1] == "on"
+machine_code = []  # the libraries finalized with machine code, by name
+finalize_specific = codegen.JITCodeLibrary._finalize_specific
+
+def recorded(library):
+    machine_code.append(library.name)
+    return finalize_specific(library)
+
+codegen.JITCodeLibrary._finalize_specific = recorded
+
+@_jit.kernel
+def softmax_rows(x, out):
+    for r in numba.prange(x.shape[0]):
+        m = x[r].max()
+        e = np.exp(x[r] - m)
+        out[r] = e / e.sum()
+
+x = np.linspace(-3.0, 5.0, 7 * 33, dtype=np.float32).reshape(7, 33)
+out = np.empty_like(x)
+softmax_rows(x, out)
+exact = np.exp(x.astype(np.float64) - x.max(axis=1, keepdims=True))
+assert np.abs(out - exact / exact.sum(axis=1, keepdims=True)).max() < 1e-6
+kernel_libraries = list(machine_code)
+
+@numba.njit(parallel=True)  # a user's own parallel code, compiled outside any Kernel
+def doubled(x):
+    y = np.empty_like(x)
+    for i in numba.prange(x.size):
+        y[i] = 2.0 * x[i]
+    return y
+
+assert np.array_equal(doubled(x.ravel()), 2.0 * x.ravel())
+user_libraries = machine_code[len(kernel_libraries):]
+in_between = ("__numba_parfor_gufunc", "parallelgufuncwrapper", "GufuncWrapper")
+print(sum(any(s in name for s in in_between) for name in kernel_libraries),
+      sum(any(s in name for s in in_between) for name in user_libraries),
+      sum(softmax_rows.compiler._cache_hits.values()), out.tobytes().hex())
+"""
+
+
+@pytest.mark.skipif(not _ir_only.INSTALLED, reason="this Numba lacks the internals it hooks")
+def test_parallel_loops_of_kernels_are_kept_as_ir(tmp_path):
+    """A kernel's parallel loop body and Numba's two wrappers around it are finalized as IR
+    only (``_ir_only.parfors_as_ir``): no machine code of their own, the same bits as with
+    them (``PARFORS`` off), and the kernel cached and loaded as before; a user's own
+    ``prange`` code outside the kernels keeps Numba's usual finalization (three in-between
+    libraries with machine code)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "parfor_user.py"
+    script.write_text(_PARFOR_USER)
+    runs = {}
+    for mode, cache in (("off", "a"), ("on", "b"), ("on", "b")):
+        env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / cache))
+        run = subprocess.run([sys.executable, str(script), mode], env=env,
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr
+        runs.setdefault(mode, []).append(run.stdout.split())
+    (off,), (on, loaded) = runs["off"], runs["on"]
+    assert off[:3] == ["3", "3", "0"]  # Numba's own way: body and both wrappers compiled
+    assert on[:3] == ["0", "3", "0"]  # the kernel's loop as IR; the user's code untouched
+    assert loaded[:3] == ["0", "3", "1"]  # the kernel from the cache, nothing compiled
+    assert on[3] == off[3] == loaded[3]  # the same bits

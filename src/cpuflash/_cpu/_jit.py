@@ -207,7 +207,8 @@ class Kernel:
         sig = self.canonical(args)
         with _COMPILING:  # threads' first calls at once: compiled once
             if sig not in self.dispatcher.overloads:
-                self.compiler.compile(sig)  # or loaded from the cache
+                with _ir_only.parfors_as_ir():  # (its parallel loops' wrappers as IR)
+                    self.compiler.compile(sig)  # or loaded from the cache
                 self.dispatcher.add_overload(self.compiler.overloads[sig])
         compiled = self.dispatcher.signatures
         self._integers = tuple(i for i in range(len(args))
