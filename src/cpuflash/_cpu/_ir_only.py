@@ -127,9 +127,11 @@ def _install():
 
     def get_executable_or_ir(self, library, fndesc, env):
         """Numba's entry point to a compiled function (its Python wrapper), or, for a
-        registered helper, its library kept as IR (``finalize_as_ir``; already, if loaded
-        from the disk cache) and an entry point with no code behind it (as any function
-        without a Python wrapper has: ``_jit.Helper`` sends calls from Python elsewhere).
+        registered helper or a kernel's parallel loop body (``parfors_as_ir``), its library
+        kept as IR (``finalize_as_ir``; a helper's already, if loaded from the disk cache) and
+        an entry point with no code behind it (as any function without a Python wrapper has:
+        ``_jit.Helper`` sends calls from Python elsewhere; nothing calls a loop body but its
+        wrapper, linked into the kernel).
         Numba keys the function's implementation for its callers on that object, so each
         compilation gets one of its own."""
         if not ((fndesc.modname, fndesc.qualname) in _REGISTERED
