@@ -1,4 +1,5 @@
-"""Helpers kept as optimized LLVM IR, without machine code of their own.
+"""Helpers and the kernels' parallel loops kept as optimized LLVM IR, without machine code
+of their own.
 
 Numba compiles every jitted function into a library of its own and finalizes it: it links in
 the IR of the functions it calls, optimizes the module and turns it into machine code. A
@@ -24,25 +25,26 @@ helpers inlined), and only the kernel's copy ever ran. The three in between are 
 IR while ``Kernel`` compiles a kernel on this thread. Unlike the helpers' case, the kernel's
 machine code is not the same as before (as we read it: MCJIT runs the code generator's IR
 passes, loop strength reduction among them, on a module in place, and Numba linked those
-rewritten modules upward; now the kernel's optimizer gets them as optimized, unrewritten). Measured at stop 56 (Intel
-Xeon, empty caches, the two ways in alternating processes, 7 pairs): first calls at N=2048,
-forward 14.0 s against 16.8 (medians; faster in 6 of 7 pairs), decode 22.7 against 31.7,
-backward 22.3 against 27.0 (7 of 7 each). The same bits in every output compared (60 arrays:
-forward, backward and decode under 10 option sets, and the benchmark shapes), and the same
-speed: both ways in one process, 60 rounds alternating, medians of the ratios 0.995-1.016 over
-the forward (N=2048, causal, N=512 D=128), the backward and four decode steps.
+rewritten modules upward; now the kernel's optimizer gets them as optimized, unrewritten).
+Measured at stop 56 (Intel Xeon, empty caches, the two ways in alternating processes, 7
+pairs): first calls at N=2048, forward 14.0 s against 16.8 (medians; faster in 6 of 7 pairs),
+decode 22.7 against 31.7, backward 22.3 against 27.0 (7 of 7 each). The same bits in every
+output compared (60 arrays: forward, backward and decode under 10 option sets, and the
+benchmark shapes), and the same speed: both ways in one process, 60 rounds alternating,
+medians of the ratios 0.995-1.016 over the forward (N=2048, causal, N=512 D=128), the backward
+and four decode steps.
 
 Only the helpers registered here (``register``: by module and qualified name), and the
 parallel loops of kernels compiled within ``parfors_as_ir``, are finalized this way;
-everything else Numba compiles is untouched. The hooks replace three Numba
-internals (``CPUContext.get_executable``, ``CPUCodeLibrary._unserialize``,
-``JITCPUCodegen.set_env``) and wrap two (``build_gufunc_wrapper`` of
-``numba.np.ufunc.parallel`` and of ``ufuncbuilder``), and use a library's link list and final
-module; where a Numba
-version lacks them, none is installed (``INSTALLED``) and helpers are compiled as before.
-Checked with the kernels' tests on numba 0.59.1, 0.64.0 and 0.68.1 (``.ci/run`` runs the oldest
-and the newest). Until stop 54 ``finalize_as_ir`` also assumed ``_reload_init``, which
-libraries have only since numba 0.60: on 0.59 every first compile failed.
+everything else Numba compiles is untouched. The hooks replace three Numba internals
+(``CPUContext.get_executable``, ``CPUCodeLibrary._unserialize``, ``JITCPUCodegen.set_env``),
+wrap two (``build_gufunc_wrapper`` of ``numba.np.ufunc.parallel`` and of ``ufuncbuilder``) and
+use a library's link list and final module; where a Numba version lacks them, none is
+installed (``INSTALLED``) and helpers and loops are compiled as before. The helpers' hooks
+were checked with the kernels' tests on numba 0.59.1, 0.64.0 and 0.68.1, the loops' on 0.59.1
+and 0.68.1 (``.ci/run`` runs the oldest and the newest). Until stop 54 ``finalize_as_ir`` also
+assumed ``_reload_init``, which libraries have only since numba 0.60: on 0.59 every first
+compile failed.
 """
 import contextlib
 import threading

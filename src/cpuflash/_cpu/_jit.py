@@ -207,7 +207,7 @@ class Kernel:
         sig = self.canonical(args)
         with _COMPILING:  # threads' first calls at once: compiled once
             if sig not in self.dispatcher.overloads:
-                with _ir_only.parfors_as_ir():  # (its parallel loops' wrappers as IR)
+                with _ir_only.parfors_as_ir():  # its parallel loops kept as IR (_ir_only)
                     self.compiler.compile(sig)  # or loaded from the cache
                 self.dispatcher.add_overload(self.compiler.overloads[sig])
         compiled = self.dispatcher.signatures
