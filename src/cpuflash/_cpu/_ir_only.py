@@ -26,13 +26,21 @@ IR while ``Kernel`` compiles a kernel on this thread. Unlike the helpers' case, 
 machine code is not the same as before (as we read it: MCJIT runs the code generator's IR
 passes, loop strength reduction among them, on a module in place, and Numba linked those
 rewritten modules upward; now the kernel's optimizer gets them as optimized, unrewritten).
-Measured at stop 56 (Intel Xeon, empty caches, the two ways in alternating processes, 7
-pairs): first calls at N=2048, forward 14.0 s against 16.8 (medians; faster in 6 of 7 pairs),
-decode 22.7 against 31.7, backward 22.3 against 27.0 (7 of 7 each). The same bits in every
-output compared (60 arrays: forward, backward and decode under 10 option sets, and the
-benchmark shapes), and the same speed: both ways in one process, 60 rounds alternating,
-medians of the ratios 0.995-1.016 over the forward (N=2048, causal, N=512 D=128), the backward
-and four decode steps.
+The two wrappers are not optimized on their own either (``OPTIMIZE_WRAPPERS``): each such
+pass ran LLVM's module optimization over the whole, already optimized loop body again (13.1 s
+of 64 for the first forward, decode and backward calls together), and the kernel's own
+optimization inlines and optimizes them anyway. Measured at stop 56 (Intel Xeon, empty
+caches, alternating processes): first calls at N=2048 with the loops as IR, against Numba's
+way (7 pairs; medians): forward 14.0 s against 16.8 (faster in 6 of 7 pairs), decode 22.7
+against 31.7, backward 22.3 against 27.0 (7 of 7 each); then the wrappers unoptimized against
+optimized (3 pairs): forward 11.1-13.6 s against 15.3-16.1, decode 17.8-21.9 against
+23.7-27.1, backward 17.3-18.8 against 18.9-23.1 (3 of 3 each); the final code against
+Numba's way (3 pairs): forward 10.0-10.5 s against 14.3-16.6, decode 15.3-16.3 against
+24.8-27.7, backward 15.5-15.9 against 21.5-25.9 (3 of 3 each). The same bits in every output
+compared (60 arrays: forward, backward and decode under 10 option sets, and the benchmark
+shapes), and the same speed: both ways against Numba's in one process, 60 rounds alternating,
+medians of the ratios 0.992-1.016 over the forward (N=2048, causal, N=512 D=128), the
+backward and four decode steps.
 
 Only the helpers registered here (``register``: by module and qualified name), and the
 parallel loops of kernels compiled within ``parfors_as_ir``, are finalized this way;
@@ -59,6 +67,7 @@ _REGISTERED = set()  # (module name, qualified name) of the helpers kept as IR
 IR_KIND = "cpuflash-ir"  # how such a library is saved in Numba's disk cache
 PARFOR_BODY = "__numba_parfor_gufunc_"  # how Numba names a prange body's function
 PARFORS = True  # whether ``parfors_as_ir`` does anything (a switch for comparisons)
+OPTIMIZE_WRAPPERS = False  # the loops' wrappers optimized before a kernel links them (a switch)
 _compiling = threading.local()  # ``depth``: this thread's ``parfors_as_ir`` blocks
 
 
@@ -83,21 +92,23 @@ def _parfors_as_ir_here():
     return INSTALLED and PARFORS and getattr(_compiling, "depth", 0) > 0
 
 
-def finalize_tree_as_ir(library):
-    """``finalize_as_ir`` for ``library`` and, first, each library it links that is not
-    finalized yet (the gufunc wrapper between a loop body and the thread pool's wrapper)."""
+def finalize_tree_as_ir(library, optimize=True):
+    """``finalize_as_ir`` (``optimize`` or not) for ``library`` and, first, each library it
+    links that is not finalized yet (the gufunc wrapper between a loop body and the thread
+    pool's wrapper)."""
     for linked in library._linking_libraries:
         if not linked._finalized:
-            finalize_tree_as_ir(linked)
+            finalize_tree_as_ir(linked, optimize)
     if not library._finalized:
-        finalize_as_ir(library)
+        finalize_as_ir(library, optimize)
 
 
-def finalize_as_ir(library):
+def finalize_as_ir(library, optimize=True):
     """What ``CPUCodeLibrary.finalize`` does, less the machine code: link the libraries of the
-    functions it calls into its module and optimize it, for the kernels that link it in turn
-    (``_get_module_for_linking``: the same IR as Numba's own finalization gives them, so the
-    same kernels)."""
+    functions it calls into its module and optimize it (unless not ``optimize``: the loops'
+    wrappers, ``OPTIMIZE_WRAPPERS``), for the kernels that link it in turn
+    (``_get_module_for_linking``: for a helper the same IR as Numba's own finalization gives
+    them, so the same kernels)."""
     require_global_compiler_lock()
     library._raise_if_finalized()
     seen = set()
@@ -107,7 +118,8 @@ def finalize_as_ir(library):
             if hasattr(library, "_reload_init"):  # Numba >= 0.60: the parent inherits it
                 library._reload_init.update(linked._reload_init)
             library._final_module.link_in(linked._get_module_for_linking(), preserve=True)
-    library._optimize_final_module()
+    if optimize:
+        library._optimize_final_module()
     library._finalized = True
     _cache_as_ir(library)
 
@@ -174,15 +186,16 @@ def _install():
 
     def as_ir(build):
         """Numba's ``build`` of a wrapper around a parallel loop's body, for a loop of a kernel
-        compiled in ``parfors_as_ir``: the wrapper's library finalized as IR before anything
-        links it in (which would finalize it with machine code). The body's own library is
+        compiled in ``parfors_as_ir``: the wrapper's library finalized as IR, unoptimized
+        (``OPTIMIZE_WRAPPERS``), before anything links it in (which would finalize it with
+        machine code). The body's own library is
         kept as IR by ``get_executable_or_ir``. Nothing takes these wrappers' addresses: the
         thread pool's wrapper calls the gufunc wrapper by name, and the kernel the thread
         pool's wrapper, each in its own module."""
         def build_as_ir(py_func, cres, sin, sout, cache, is_parfors):
             info = build(py_func, cres, sin, sout, cache, is_parfors)
             if is_parfors and _parfors_as_ir_here():
-                finalize_tree_as_ir(info.library)
+                finalize_tree_as_ir(info.library, OPTIMIZE_WRAPPERS)
             return info
 
         return build_as_ir
