@@ -314,9 +314,9 @@ print(sum(any(s in name for s in in_between) for name in kernel_libraries),
 
 @pytest.mark.skipif(not _ir_only.INSTALLED, reason="this Numba lacks the internals it hooks")
 def test_parallel_loops_of_kernels_are_kept_as_ir(tmp_path):
-    """A kernel's parallel loop body and Numba's two wrappers around it are finalized as IR
-    only (``_ir_only.parfors_as_ir``): no machine code of their own, the same bits as with
-    them (``PARFORS`` off), and the kernel cached and loaded as before; a user's own
+    """A kernel's parallel loop body and Numba's two wrappers around it (these unoptimized)
+    are finalized as IR only (``_ir_only.parfors_as_ir``): no machine code of their own, the
+    same bits as with them (``PARFORS`` off), and the kernel cached and loaded as before; a user's own
     ``prange`` code outside the kernels keeps Numba's usual finalization (three in-between
     libraries with machine code)."""
     import subprocess

@@ -92,21 +92,10 @@ def _parfors_as_ir_here():
     return INSTALLED and PARFORS and getattr(_compiling, "depth", 0) > 0
 
 
-def finalize_tree_as_ir(library, optimize=True):
-    """``finalize_as_ir`` (``optimize`` or not) for ``library`` and, first, each library it
-    links that is not finalized yet (the gufunc wrapper between a loop body and the thread
-    pool's wrapper)."""
-    for linked in library._linking_libraries:
-        if not linked._finalized:
-            finalize_tree_as_ir(linked, optimize)
-    if not library._finalized:
-        finalize_as_ir(library, optimize)
-
-
 def finalize_as_ir(library, optimize=True):
     """What ``CPUCodeLibrary.finalize`` does, less the machine code: link the libraries of the
-    functions it calls into its module and optimize it (unless not ``optimize``: the loops'
-    wrappers, ``OPTIMIZE_WRAPPERS``), for the kernels that link it in turn
+    functions it calls into its module and, if ``optimize``, optimize it (the loops' wrappers
+    are left unoptimized: ``OPTIMIZE_WRAPPERS``), for the kernels that link it in turn
     (``_get_module_for_linking``: for a helper the same IR as Numba's own finalization gives
     them, so the same kernels)."""
     require_global_compiler_lock()
@@ -187,15 +176,16 @@ def _install():
     def as_ir(build):
         """Numba's ``build`` of a wrapper around a parallel loop's body, for a loop of a kernel
         compiled in ``parfors_as_ir``: the wrapper's library finalized as IR, unoptimized
-        (``OPTIMIZE_WRAPPERS``), before anything links it in (which would finalize it with
-        machine code). The body's own library is
-        kept as IR by ``get_executable_or_ir``. Nothing takes these wrappers' addresses: the
-        thread pool's wrapper calls the gufunc wrapper by name, and the kernel the thread
-        pool's wrapper, each in its own module."""
+        (``OPTIMIZE_WRAPPERS``), before anything links it in (Numba's
+        ``add_linking_library`` would finalize it with machine code; it also finalizes what
+        the wrapper links, so the inner wrapper is done by its own hook first). The body's
+        own library is kept as IR by ``get_executable_or_ir``. Nothing takes these wrappers'
+        addresses: the thread pool's wrapper calls the gufunc wrapper by name, and the kernel
+        the thread pool's wrapper, each in its own module."""
         def build_as_ir(py_func, cres, sin, sout, cache, is_parfors):
             info = build(py_func, cres, sin, sout, cache, is_parfors)
-            if is_parfors and _parfors_as_ir_here():
-                finalize_tree_as_ir(info.library, OPTIMIZE_WRAPPERS)
+            if is_parfors and _parfors_as_ir_here() and not info.library._finalized:
+                finalize_as_ir(info.library, OPTIMIZE_WRAPPERS)
             return info
 
         return build_as_ir
