@@ -5,6 +5,7 @@ import numpy as np
 import numba
 
 from . import _checks, config, masks
+from . import sinks as _sinks
 from ._cpu.backward import run_backward
 from ._cpu.decode import ARG, MAX_NQ, StepPlan, arrays_of_blocks, decode, decode_args
 from ._cpu.forward import run_forward
@@ -14,8 +15,8 @@ __all__ = ["attention", "attention_backward", "attention_vjp", "merge", "set_num
 
 
 def attention(q, k, v, *, causal=False, scale=None, mask=None, window=None, kv_lens=None,
-              alibi_slopes=None, softcap=None, dropout_p=0.0, seed=None, return_lse=False,
-              out=None, k_scale=None, v_scale=None, device=None):
+              alibi_slopes=None, softcap=None, dropout_p=0.0, seed=None, sinks=None,
+              return_lse=False, out=None, k_scale=None, v_scale=None, device=None):
     """Exact softmax attention, ``softmax(scale * q @ k^T) @ v``, computed tile by tile.
 
     Parameters
@@ -40,6 +41,10 @@ def attention(q, k, v, *, causal=False, scale=None, mask=None, window=None, kv_l
     dropout_p, seed : dropout on the probabilities, survivors scaled by ``1 / (1 - p)``; the
         mask is a pure function of ``(seed, b, h, i, j)`` (a seed is required), so the backward
         pass, reruns and any thread count see the same mask. ``lse`` is without dropout.
+    sinks : float array (Hq,) or (B, Hq): attention sinks (gpt-oss), one logit a query head
+        that joins each row's softmax with no value: ``p_j = e^(s_j) / (e^c + sum e^(s_k))``.
+        Not scaled, capped, biased or masked; ``-inf`` for a head without one. ``lse`` then
+        includes it. Folded in from ``lse`` after the kernel (``cpuflash/sinks.py``).
     return_lse : bool. Also return ``lse`` (B, Hq, Nq): natural-log log-sum-exp of each row's
         scores, float32 (float64 for float64 input); ``-inf`` for a row that sees no key.
     out : ndarray of the output's shape and dtype, written in place and returned.
@@ -58,6 +63,12 @@ def attention(q, k, v, *, causal=False, scale=None, mask=None, window=None, kv_l
     Any strides are accepted (transposed or broadcast views); float16 computes in float32.
     A row that sees no key gets output 0 (and ``lse = -inf``).
     """
+    if sinks is not None:
+        return _with_sinks(q, sinks, return_lse, device, lambda: _attention(
+            q, k, v, None, causal=causal, scale=scale, mask=mask, window=window,
+            kv_lens=kv_lens, alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p,
+            seed=seed, return_lse=True, out=out, k_scale=k_scale, v_scale=v_scale,
+            device=device))
     if (out is None and mask is None and window is None and kv_lens is None
             and alibi_slopes is None and softcap is None and k_scale is None
             and v_scale is None and device is None and type(dropout_p) in (float, int)
@@ -71,6 +82,33 @@ def attention(q, k, v, *, causal=False, scale=None, mask=None, window=None, kv_l
                       kv_lens=kv_lens, alibi_slopes=alibi_slopes, softcap=softcap,
                       dropout_p=dropout_p, seed=seed, return_lse=return_lse, out=out,
                       k_scale=k_scale, v_scale=v_scale, device=device)
+
+
+def _with_sinks(q, sinks, return_lse, device, run):
+    """A forward call with ``sinks``: they are checked against ``q`` first, then ``run()`` (the
+    call without them, returning ``(out, lse)``), then folded into its results
+    (``sinks.fold``)."""
+    return_lse = _checks.flag("return_lse", return_lse)
+    logits = _sink_logits(q, sinks, device)
+    out, lse = run()
+    lse = _sinks.fold(_checks.as_4d(out), lse.reshape(_checks.as_4d(out).shape[:3]),
+                      logits[:, :, None]).reshape(lse.shape)
+    return (out, lse) if return_lse else out
+
+
+def sink_step(q, sinks, return_lse, run):
+    """``KVCache.attention``'s step with ``sinks``: ``run()`` returns the step's ``(out,
+    lse)`` without them (``_with_sinks``)."""
+    return _with_sinks(q, sinks, return_lse, None, run)
+
+
+def _sink_logits(q, sinks, device):
+    """``sinks`` checked against ``q`` (``sinks.check``): float64 ``(B or 1, Hq)``."""
+    if _on_cuda(q, device):
+        raise NotImplementedError("sinks: not yet on the CUDA path (the CPU path has them)")
+    _checks.array("q", q)
+    n_b, n_hq = _checks.as_4d(q).shape[:2]
+    return _sinks.check(sinks, n_b, n_hq)
 
 
 def attention_on_blocks(q, kv_blocks, n_k, options):
@@ -337,7 +375,7 @@ def _prepare(q, k, v, causal, scale, mask, window, kv_lens, alibi_slopes, softca
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, mask=None,
                        window=None, kv_lens=None, alibi_slopes=None, softcap=None,
-                       dropout_p=0.0, seed=None, device=None):
+                       dropout_p=0.0, seed=None, sinks=None, device=None):
     """Gradients ``(dq, dk, dv)`` of attention, from the forward pass's ``out`` and ``lse``.
 
     ``dout`` is the gradient of the loss with respect to ``out``; ``out, lse`` are what
@@ -348,7 +386,21 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, mas
     Returns arrays shaped and typed like ``q``, ``k``, ``v`` (C-contiguous). For GQA, dk/dv
     sum over the query heads of each group. Bitwise the same for any thread count.
     GPU arrays (or ``device="cuda"``) run on the GPU, as in ``attention``.
+
+    With ``sinks`` (and the ``out``, ``lse`` that the call with them returned), returns
+    ``(dq, dk, dv, dsinks)``: ``dsinks`` shaped like ``sinks``, in ``lse``'s dtype.
     """
+    if sinks is not None:
+        logits = _sink_logits(q, sinks, device)
+        grads = attention_backward(
+            dout, q, k, v, out, lse, causal=causal, scale=scale, mask=mask, window=window,
+            kv_lens=kv_lens, alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p,
+            seed=seed, device=device)  # out, lse with the sinks in: the same kernel is right
+        rows = _sinks.row_gradients(*(_checks.as_4d(x) for x in (dout, out)),
+                                    lse.reshape(_checks.as_4d(out).shape[:3]),
+                                    logits[:, :, None])
+        dsinks = rows.sum(axis=2).sum(axis=0) if sinks.ndim == 1 else rows.sum(axis=2)
+        return (*grads, dsinks.astype(lse.dtype))
     if _on_cuda(q, device):
         return _cuda_dispatch().attention_backward(
             dout, q, k, v, out, lse, causal=causal, scale=scale, mask=mask, window=window,
@@ -369,15 +421,15 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, mas
 
 def attention_vjp(q, k, v, dout, *, causal=False, scale=None, mask=None, window=None,
                   kv_lens=None, alibi_slopes=None, softcap=None, dropout_p=0.0, seed=None,
-                  device=None):
+                  sinks=None, device=None):
     """Forward and backward in one call: returns ``(out, dq, dk, dv)``, the output and the
-    vector-Jacobian product of attention with the cotangent ``dout``."""
+    vector-Jacobian product of attention with the cotangent ``dout``; with ``sinks``,
+    ``(out, dq, dk, dv, dsinks)``."""
     opts = dict(causal=causal, scale=scale, mask=mask, window=window, kv_lens=kv_lens,
                 alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p, seed=seed,
-                device=device)
+                sinks=sinks, device=device)
     out, lse = attention(q, k, v, return_lse=True, **opts)
-    dq, dk, dv = attention_backward(dout, q, k, v, out, lse, **opts)
-    return out, dq, dk, dv
+    return (out, *attention_backward(dout, q, k, v, out, lse, **opts))
 
 
 def merge(outs, lses):

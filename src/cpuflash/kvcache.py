@@ -35,7 +35,7 @@ from ._cpu.decode import (KEY_BLOCK, arrays_of_blocks, key_panel_width, layer_bl
                           value_panel_width)
 from ._cpu.pack import aligned, on_line
 from ._cpu.quantize import quantize_rows
-from .api import attention_on_blocks, step_plan
+from .api import attention_on_blocks, sink_step, step_plan
 
 STORAGE_DTYPES = (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16),
                   np.dtype(np.int8))
@@ -231,7 +231,17 @@ class KVCache:
         plain decode path's checks (``api.step_plan``) build the kernel's arguments once, and
         every step of that kind runs from them (``decode.StepPlan``): the same kernel and
         bits, without the checks' Python. Calls that path does not take meet the general
-        checks, as before."""
+        checks, as before.
+
+        ``sinks`` (as ``cpuflash.attention``'s) are folded into the step's results after its
+        kernel, so steps with them run from plans too."""
+        if options.get("sinks") is not None:
+            sinks, return_lse = options.pop("sinks"), options.pop("return_lse", False)
+            return sink_step(q, sinks, return_lse, lambda: self._step(layer, q, options, True))
+        return self._step(layer, q, options, False)
+
+    def _step(self, layer, q, options, with_lse):
+        """``attention``'s call without sinks; ``with_lse``: it returns ``(out, lse)``."""
         key = _step_key(layer, q, options)
         plan = self._plans.get(key) if key is not None else False  # None: a new kind of call
         if plan is None:
@@ -239,7 +249,9 @@ class KVCache:
         if plan:
             n = int(self.lengths[layer])
             if 0 < n <= self.max_len:
-                return plan.run(q, n)
+                return plan.run(q, n, with_lse)
+        if with_lse:
+            options = {**options, "return_lse": True}
         layer = self._layer(layer)
         n = self._length(layer)
         if self.k_scale is not None:

@@ -83,11 +83,41 @@ def _dropout_scale(n_b, n_h, n_q, n_k, dropout_p, seed):
     return keep / (1.0 - dropout_p)
 
 
+def _sink_column(sinks, n_b, n_h):
+    """(B, H, 1, 1) float64 sink logits, or None: one more score column of every row, seen,
+    with no value."""
+    if sinks is None:
+        return None
+    return np.broadcast_to(np.asarray(sinks, np.float64), (n_b, n_h))[:, :, None, None]
+
+
+def _softmax(s, seen, sink):
+    """Rows of ``s`` (-inf where not ``seen``) softmaxed, with the ``sink`` column (or None)
+    joining each row's denominator. Returns ``(p, lse, p_sink)``; a row with nothing to
+    attend to gives p = 0 and lse = -inf."""
+    if sink is not None:
+        s = np.concatenate([s, np.broadcast_to(sink, s.shape[:3] + (1,))], axis=-1)
+        seen = np.concatenate([np.broadcast_to(seen, s.shape[:3] + (s.shape[3] - 1,)),
+                               np.broadcast_to(sink > -np.inf, s.shape[:3] + (1,))], axis=-1)
+    m = s.max(axis=-1, keepdims=True, initial=-np.inf)
+    m_safe = np.where(np.isfinite(m), m, 0.0)
+    p = np.where(seen, np.exp(s - m_safe), 0.0)
+    lsum = p.sum(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        p = np.where(lsum > 0, p / np.where(lsum > 0, lsum, 1.0), 0.0)
+        lse = np.where(lsum[..., 0] > 0, (m_safe + np.log(lsum))[..., 0], -np.inf)
+    if sink is None:
+        return p, lse, None
+    return p[..., :-1], lse, p[..., -1]
+
+
 def attention(q, k, v, *, causal=False, scale=None, mask=None, window=None, kv_lens=None,
-              alibi_slopes=None, softcap=None, dropout_p=0.0, seed=None, return_lse=False):
+              alibi_slopes=None, softcap=None, dropout_p=0.0, seed=None, sinks=None,
+              return_lse=False):
     """float64 ``softmax(scale * q k^T) v`` with the shapes and semantics of ``cpuflash.attention``.
 
-    A row that sees no key gives output 0 and ``lse = -inf``.
+    A row that sees no key gives output 0 and ``lse = -inf`` (``lse = c`` with a sink ``c``).
+    ``sinks``: one more column of each row's scores, the head's logit, with no value.
     """
     q4, k4, v4 = _as_4d(q), _as_4d(k), _as_4d(v)
     n_q, d = q4.shape[2], q4.shape[3]
@@ -102,13 +132,7 @@ def attention(q, k, v, *, causal=False, scale=None, mask=None, window=None, kv_l
     s, seen = _user_mask(s, seen, mask)
     seen = seen & (s > -np.inf)  # a float mask's -inf hides the key too
     s = np.where(seen, s, -np.inf)
-    m = s.max(axis=-1, keepdims=True, initial=-np.inf)
-    m_safe = np.where(np.isfinite(m), m, 0.0)
-    p = np.where(seen, np.exp(s - m_safe), 0.0)
-    lsum = p.sum(axis=-1, keepdims=True)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        p = np.where(lsum > 0, p / lsum, 0.0)
-        lse = np.where(lsum[..., 0] > 0, (m_safe + np.log(lsum))[..., 0], -np.inf)
+    p, lse, _ = _softmax(s, seen, _sink_column(sinks, *q4.shape[:2]))
     drop = _dropout_scale(*p.shape, dropout_p, seed)
     out = (p if drop is None else p * drop) @ v4
     out = out.reshape(np.shape(q)[:-1] + (v4.shape[-1],))
@@ -119,12 +143,16 @@ def attention(q, k, v, *, causal=False, scale=None, mask=None, window=None, kv_l
 
 
 def attention_backward(dout, q, k, v, *, causal=False, scale=None, mask=None, window=None,
-                       kv_lens=None, alibi_slopes=None, softcap=None, dropout_p=0.0, seed=None):
+                       kv_lens=None, alibi_slopes=None, softcap=None, dropout_p=0.0, seed=None,
+                       sinks=None):
     """float64 gradients ``(dq, dk, dv)`` of ``sum(dout * attention(q, k, v))``.
 
     ``P = softmax(S)``, ``dV = P^T dO``, ``dP = dO V^T``, ``dS = P * (dP - rowsum(dP * P))``,
     ``dQ = scale dS K``, ``dK = scale dS^T Q``; for GQA, dK and dV sum over the query heads of
     each group. Rows that see no key have P = 0 and contribute nothing.
+
+    With ``sinks``, also ``dsinks`` (shaped like ``sinks``): the sink's column has ``dP = 0``,
+    so its ``dS = P_sink * (0 - rowsum(dP * P))``, summed over the head's rows.
     """
     q4, k4, v4, do4 = _as_4d(q), _as_4d(k), _as_4d(v), _as_4d(dout)
     n_q, d = q4.shape[2], q4.shape[3]
@@ -138,20 +166,22 @@ def attention_backward(dout, q, k, v, *, causal=False, scale=None, mask=None, wi
     s, seen = _user_mask(s, seen, mask)
     seen = seen & (s > -np.inf)
     s = np.where(seen, s, -np.inf)
-    m = s.max(axis=-1, keepdims=True, initial=-np.inf)
-    p = np.where(seen, np.exp(s - np.where(np.isfinite(m), m, 0.0)), 0.0)
-    lsum = p.sum(axis=-1, keepdims=True)
-    p = np.where(lsum > 0, p / np.where(lsum > 0, lsum, 1.0), 0.0)
+    p, _, p_sink = _softmax(s, seen, _sink_column(sinks, *q4.shape[:2]))
     drop = _dropout_scale(*p.shape, dropout_p, seed)
     dv = _t(p if drop is None else p * drop) @ do4
     dp = do4 @ _t(vr)
     if drop is not None:
         dp = dp * drop
-    ds = p * (dp - (dp * p).sum(axis=-1, keepdims=True))
+    row_d = (dp * p).sum(axis=-1, keepdims=True)
+    ds = p * (dp - row_d)
     if t is not None:  # through s = softcap * tanh(s_raw / softcap)
         ds = ds * (1.0 - t * t)
     dq = scale * (ds @ kr)
     dk = scale * (_t(ds) @ q4)
     dk = dk.reshape(n_b, n_hkv, group, n_k, d).sum(axis=2)
     dv = dv.reshape(n_b, n_hkv, group, n_k, v4.shape[3]).sum(axis=2)
-    return (dq.reshape(np.shape(q)), dk.reshape(np.shape(k)), dv.reshape(np.shape(v)))
+    grads = (dq.reshape(np.shape(q)), dk.reshape(np.shape(k)), dv.reshape(np.shape(v)))
+    if sinks is None:
+        return grads
+    dsinks = -(p_sink * row_d[..., 0]).sum(axis=2)  # (B, H)
+    return (*grads, dsinks.sum(axis=0) if np.ndim(sinks) == 1 else dsinks)

@@ -10,11 +10,13 @@ one ``attention_backward`` call per sequence, on ``(H, n, D)`` views of the pack
 
 Per sequence, ``causal``/``window`` align to that sequence's bottom-right corner, ``alibi_slopes``
 may be ``(Hq,)`` or ``(B, Hq)``, and dropout uses the seed ``seed * 1000003 + b`` (mod 2^63), so
-sequences get independent masks.
+sequences get independent masks. ``sinks`` may be ``(Hq,)`` or ``(B, Hq)`` too, folded in after
+the kernel as ``cpuflash.attention``'s (``sinks.py``).
 """
 import numpy as np
 
 from . import _checks, config, masks
+from . import sinks as _sinks
 from ._cpu.forward import run_varlen
 from .api import attention_backward
 
@@ -65,9 +67,20 @@ def _heads_first(x):
     return x.transpose(1, 0, 2)
 
 
+def _sink_rows(sinks, seqs, n_hq):
+    """``sinks`` (``sinks.check``: ``(Hq,)`` or one row a sequence) as each packed query's
+    logits, broadcastable to (total_q, Hq); None without sinks."""
+    if sinks is None:
+        return None
+    logits = _sinks.check(sinks, len(seqs), n_hq)
+    if sinks.ndim == 1:
+        return logits
+    return np.repeat(logits, [q1 - q0 for q0, q1, _, _ in seqs], axis=0)
+
+
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale=None,
                      window=None, alibi_slopes=None, softcap=None, dropout_p=0.0, seed=None,
-                     return_lse=False):
+                     sinks=None, return_lse=False):
     """Attention over packed variable-length sequences; returns ``out`` (total_q, Hq, Dv) and,
     with ``return_lse``, ``lse`` (Hq, total_q). Options as ``cpuflash.attention``."""
     _packed(q, k, v)
@@ -83,6 +96,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale
     scale = _checks.scale(scale, d)
     left, right, _ = masks.band(causal, window, None, 1, 0)
     mods = masks.modifiers(softcap, alibi_slopes, n_seq, q.shape[1])
+    sink_rows = _sink_rows(sinks, seqs, q.shape[1])
     drop_below, seed, inv_keep = masks.dropout(dropout_p, seed)
     seeds = np.array([_sequence_seed(seed, b) if drop_below else 0 for b in range(n_seq)],
                      dtype=np.int64)
@@ -91,20 +105,24 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale
                           cu_seqlens_q.astype(np.int64), cu_seqlens_k.astype(np.int64), scale,
                           (left, right), mods, (drop_below, seeds, inv_keep), config.PORTABLE)
     out = out.astype(q.dtype, copy=False)
+    if sink_rows is not None:
+        lse = np.ascontiguousarray(_sinks.fold(out, lse.T, sink_rows).T)
     return (out, lse) if return_lse else out
 
 
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *,
                               causal=False, scale=None, window=None, alibi_slopes=None,
-                              softcap=None, dropout_p=0.0, seed=None):
+                              softcap=None, dropout_p=0.0, seed=None, sinks=None):
     """Gradients ``(dq, dk, dv)`` of ``attention_varlen``, packed like ``q``, ``k``, ``v``;
-    the options must be the forward call's."""
+    the options must be the forward call's. With ``sinks``, ``(dq, dk, dv, dsinks)``, as
+    ``cpuflash.attention_backward``."""
     _packed(q, k, v)
     seqs = _sequences(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])
     _checks.matches("dout", dout, q.shape[:2] + (v.shape[2],), q.dtype)
     _checks.matches("out", out, q.shape[:2] + (v.shape[2],), q.dtype)
     _checks.matches("lse", lse, (q.shape[1], q.shape[0]),
                     np.float64 if q.dtype == np.float64 else np.float32)
+    sink_rows = _sink_rows(sinks, seqs, q.shape[1])
     dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
     for b, (q0, q1, k0, k1) in enumerate(seqs):
         if q1 == q0 or k1 == k0:
@@ -117,4 +135,9 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
             alibi_slopes=slopes, softcap=softcap, dropout_p=dropout_p, seed=seq_seed)
         for full, g, (a, z) in zip((dq, dk, dv), grads, ((q0, q1), (k0, k1), (k0, k1))):
             full[a:z] = g.transpose(1, 0, 2)
-    return dq, dk, dv
+    if sink_rows is None:
+        return dq, dk, dv
+    rows = _sinks.row_gradients(dout, out, lse.T, sink_rows)  # (total_q, Hq)
+    dsinks = (rows.sum(axis=0) if sinks.ndim == 1
+              else np.stack([rows[q0:q1].sum(axis=0) for q0, q1, _, _ in seqs]))
+    return dq, dk, dv, dsinks.astype(lse.dtype)

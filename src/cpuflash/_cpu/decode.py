@@ -782,6 +782,7 @@ ARG = {name: i for i, name in enumerate(inspect.signature(decode.py_func).parame
 PER_STEP = ("q", "n_k", "n_splits", "kv_lens", "out", "serial_merge")
 PER_STEP_AT = tuple(ARG[name] for name in PER_STEP)
 K_SCALE_AT, V_SCALE_AT = ARG["k_scale_4"], ARG["v_scale_4"]
+LSE_AT = ARG["lse"]
 
 
 class StepPlan:
@@ -817,12 +818,15 @@ class StepPlan:
             self.args[at] = None  # not kept: the step's output, for one, is the caller's
         self.scales = scales
 
-    def run(self, q, n_k):
+    def run(self, q, n_k, with_lse=False):
         """The step's output for ``q`` (of the plan's shape and dtype) over the layer's first
-        ``n_k`` keys (``n_k >= 1``)."""
+        ``n_k`` keys (``n_k >= 1``); ``with_lse``: ``(out, lse)``, the log-sum-exp in an array
+        of the step's own."""
         n_splits = split_count(self.n_b, self.n_hkv, n_k)
         out = np.empty(self.out_shape, dtype=self.dtype)
         args = self.args.copy()
+        if with_lse:
+            args[LSE_AT] = lse = np.empty(self.out_shape[:3], dtype=self.dtype)
         for at, value in zip(PER_STEP_AT, (q, n_k, n_splits, key_lengths(None, self.n_b, n_k),
                                            out, merges_serially(n_splits, out.size))):
             args[at] = value
@@ -830,4 +834,4 @@ class StepPlan:
             args[K_SCALE_AT] = _scales_4d(self.scales[0][:, :, :n_k])[0]
             args[V_SCALE_AT] = _scales_4d(self.scales[1][:, :, :n_k])[0]
         decode.call_built(args)
-        return out
+        return (out, lse) if with_lse else out
