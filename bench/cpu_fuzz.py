@@ -92,8 +92,9 @@ def random_case(rng, max_nk, kind="decode"):
 
 
 def random_options(rng, b, hq, nq, nk):
-    """At random: causal, a window, ``kv_lens``, softcap, ALiBi slopes and a bool mask, for
-    ``b`` batches, ``hq`` query heads, ``nq`` queries and ``nk`` keys."""
+    """At random: causal, a window, ``kv_lens``, softcap, ALiBi slopes, a bool mask and sinks
+    (some heads without: -inf), for ``b`` batches, ``hq`` query heads, ``nq`` queries and
+    ``nk`` keys."""
     opts = {}
     if rng.random() < 0.5:
         opts["causal"] = True
@@ -107,7 +108,16 @@ def random_options(rng, b, hq, nq, nk):
         opts["alibi_slopes"] = rng.uniform(0, 0.1, size=hq)
     if rng.random() < 0.3:
         opts["mask"] = rng.random((b, hq, nq, nk)) < 0.8
+    if rng.random() < 0.2:
+        opts["sinks"] = random_sinks(rng, (hq,) if rng.random() < 0.5 else (b, hq))
     return opts
+
+
+def random_sinks(rng, shape):
+    """Sink logits of ``shape``, about the scores' size; a tenth of them -inf (no sink)."""
+    sinks = rng.uniform(-3, 5, shape)
+    sinks[rng.random(shape) < 0.1] = -np.inf
+    return sinks
 
 
 def laid_out(rng, x, broadcast_heads=False):
@@ -320,6 +330,8 @@ def varlen_case(rng):
                                            else (n_seq, hq))
     if rng.random() < 0.2:
         opts.update(dropout_p=0.3, seed=int(rng.integers(0, 100)))
+    if rng.random() < 0.2:  # per head, or per sequence and head
+        opts["sinks"] = random_sinks(rng, (hq,) if rng.random() < 0.5 else (n_seq, hq))
     return q, k, v, cu_q, cu_k, opts
 
 
@@ -335,12 +347,14 @@ def check_varlen(case, tol):
     ref = np.zeros(out.shape)
     ref_lse = np.full(lse.shape, -np.inf)
     ref_grads = [np.zeros(x.shape) for x in (q, k, v)]
+    if opts.get("sinks") is not None:
+        ref_grads.append(np.zeros(opts["sinks"].shape))
     for b in range(len(cu_q) - 1):
         (q0, q1), (k0, k1) = cu_q[b:b + 2], cu_k[b:b + 2]
         seq_opts = dict(opts)
-        slopes = opts.get("alibi_slopes")
-        if slopes is not None and slopes.ndim == 2:
-            seq_opts["alibi_slopes"] = slopes[b]
+        for name in ("alibi_slopes", "sinks"):  # per sequence
+            if opts.get(name) is not None and opts[name].ndim == 2:
+                seq_opts[name] = opts[name][b]
         if "seed" in opts:
             seq_opts["seed"] = _sequence_seed(opts["seed"], b)
         spans = ((q0, q1), (k0, k1), (k0, k1))
@@ -353,6 +367,11 @@ def check_varlen(case, tol):
                                                      **seq_opts)
             for full, g, (a, z) in zip(ref_grads, seq_grads, spans):
                 full[a:z] = g.transpose(1, 0, 2)
+            if len(seq_grads) == 4:  # dsinks: per sequence, or summed over them
+                if ref_grads[3].ndim == 2:
+                    ref_grads[3][b] = seq_grads[3]
+                else:
+                    ref_grads[3] += seq_grads[3]
     err = _verdict(out, lse, ref, ref_lse, tol, False)
     for g, r in zip(grads, ref_grads):
         if err is None:

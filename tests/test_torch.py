@@ -93,6 +93,27 @@ def test_gradcheck():
         lambda *x: ct.scaled_dot_product_attention(*x, softcap=2.0, window=(3, 1)), (q, k, v))
 
 
+def test_sinks_match_gpt_oss_eager_attention():
+    """transformers' gpt-oss eager attention: the sink a column of the scores, softmaxed with
+    them, then dropped; gradients of q, k, v and the sinks by torch's autograd."""
+    q, k, v, dout = tensors((2, 4, 9, 8), (2, 2, 12, 8), (2, 2, 12, 8), (2, 4, 9, 8))
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0], dtype=torch.float64, requires_grad=True)
+    got = ct.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(9, 12),
+                                          enable_gqa=True, sinks=sinks)
+    got_grads = torch.autograd.grad(got, (q, k, v, sinks), dout)
+    kr, vr = (x.repeat_interleave(2, dim=1) for x in (k, v))
+    s = q @ kr.transpose(-1, -2) / 8 ** 0.5
+    s = s.masked_fill(~torch.ones(9, 12, dtype=torch.bool).tril(3), -torch.inf)
+    s = torch.cat([s, sinks.reshape(1, -1, 1, 1).expand(2, -1, 9, 1)], dim=-1)
+    want = torch.softmax(s - s.amax(-1, keepdim=True), dim=-1)[..., :-1] @ vr
+    want_grads = torch.autograd.grad(want, (q, k, v, sinks), dout)
+    for g, w in zip((got, *got_grads), (want, *want_grads)):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradcheck(
+        lambda *x: ct.scaled_dot_product_attention(*x[:3], sinks=x[3], is_causal=True),
+        (q[:1, :2, :5, :4], k[:1, :2, :5, :4], v[:1, :2, :5, :4], sinks[:2]))
+
+
 def test_dropout_follows_seeds():
     q, k, v, dout = tensors((1, 2, 24, 8), (1, 2, 24, 8), (1, 2, 24, 8), (1, 2, 24, 8))
     sdpa = ct.scaled_dot_product_attention

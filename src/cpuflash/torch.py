@@ -31,7 +31,8 @@ Where torch defines a behaviour this follows it:
 * Shapes: 2-D, 3-D or 4-D (cpuflash's ranks); q/k/v of one dtype.
 
 Beyond torch (keyword-only, cpuflash's semantics, see ``cpuflash.attention``): ``window``,
-``alibi_slopes`` (a tensor or array (Hq,) or (B, Hq)), ``softcap``, ``seed``.
+``alibi_slopes`` (a tensor or array (Hq,) or (B, Hq)), ``softcap``, ``seed``, and ``sinks``
+(attention sinks, a float tensor (Hq,) or (B, Hq) as gpt-oss's, differentiable; CPU only).
 
 Differences: a row that sees no key gives 0 (torch's math path gives NaN); dtypes float32,
 float64 and float16 (computed in float32; float64 on the CPU only); bfloat16 has no numpy
@@ -104,7 +105,7 @@ class _Plan:
     """One call's cpuflash options and how the keys are cut (top-left causal, Nq < Nk)."""
 
     def __init__(self, q, k, attn_mask, is_causal, scale, enable_gqa, dropout_p, window,
-                 alibi_slopes, softcap, seed):
+                 alibi_slopes, softcap, seed, sinks=None):
         n_q, n_k = q.shape[-2], k.shape[-2]
         h_q = q.shape[-3] if q.ndim > 2 else 1
         h_kv = k.shape[-3] if k.ndim > 2 else 1
@@ -144,6 +145,8 @@ class _Plan:
         self.opts = {"causal": causal, "scale": scale, "mask": mask, "window": window,
                      "alibi_slopes": alibi_slopes, "softcap": softcap,
                      "dropout_p": dropout_p, "seed": seed}
+        if sinks is not None:
+            self.opts["sinks"] = _numpy_view("sinks", sinks)
 
     def keys(self, x):
         return x if self.key_stop == x.shape[-2] else x[..., :self.key_stop, :]
@@ -152,15 +155,17 @@ class _Plan:
 class FlashAttentionFunction(torch.autograd.Function):
     """``out = attention(q, k, v)`` by cpuflash, gradients by ``cpuflash.attention_backward``.
     Saves q, k, v, out and lse (O(N)); the probabilities are recomputed in the backward pass.
-    ``plan`` is a ``_Plan`` (the options); it gets no gradient."""
+    ``plan`` is a ``_Plan`` (the options); it gets no gradient. ``sinks``: the tensor behind
+    ``plan``'s sinks, if any, which gets its gradient."""
 
     @staticmethod
-    def forward(ctx, q, k, v, plan):
+    def forward(ctx, q, k, v, plan, sinks=None):
         qn, kn, vn = _numpy_view("query", q), _numpy_view("key", k), _numpy_view("value", v)
         out, lse = api.attention(qn, plan.keys(kn), plan.keys(vn), return_lse=True, **plan.opts)
         out_t, lse_t = _tensor(out), _tensor(lse)
         ctx.save_for_backward(q, k, v, out_t, lse_t)
         ctx.plan = plan
+        ctx.sinks_dtype = None if sinks is None else sinks.dtype
         return out_t
 
     @staticmethod
@@ -170,13 +175,14 @@ class FlashAttentionFunction(torch.autograd.Function):
         plan = ctx.plan
         kn, vn = _numpy_view("key", k), _numpy_view("value", v)
         dout_n = _numpy_view("dout", dout.to(out.dtype))  # any strides (an expand of sum())
-        dq, dk, dv = api.attention_backward(
+        dq, dk, dv, *dsinks = api.attention_backward(
             dout_n, _numpy_view("query", q), plan.keys(kn), plan.keys(vn),
             _numpy_view("out", out), _numpy_view("lse", lse), **plan.opts)
         dq, dk, dv = _tensor(dq), _tensor(dk), _tensor(dv)
         if plan.key_stop != k.shape[-2]:  # keys no query saw: gradient 0
             dk, dv = (_pad_keys(g, x.shape) for g, x in ((dk, k), (dv, v)))
-        return dq, dk, dv, None
+        dsinks = _tensor(dsinks[0]).to(ctx.sinks_dtype) if ctx.sinks_dtype is not None else None
+        return dq, dk, dv, None, dsinks
 
 
 def _pad_keys(g, shape):
@@ -187,13 +193,14 @@ def _pad_keys(g, shape):
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
                                  is_causal=False, scale=None, enable_gqa=False, *, window=None,
-                                 alibi_slopes=None, softcap=None, seed=None):
+                                 alibi_slopes=None, softcap=None, seed=None, sinks=None):
     """``torch.nn.functional.scaled_dot_product_attention`` computed by cpuflash, for CPU or
-    CUDA tensors; differentiable in ``query``, ``key`` and ``value``. See the module docstring for
-    the semantics, the causal alignment and the extra keyword options."""
+    CUDA tensors; differentiable in ``query``, ``key``, ``value`` (and ``sinks``). See the module
+    docstring for the semantics, the causal alignment and the extra keyword options."""
     qn, kn, vn = _numpy_view("query", query), _numpy_view("key", key), _numpy_view("value", value)
     plan = _Plan(qn, kn, attn_mask, is_causal, scale, enable_gqa, dropout_p, window,
-                 alibi_slopes, softcap, seed)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
-        return FlashAttentionFunction.apply(query, key, value, plan)
+                 alibi_slopes, softcap, seed, sinks)
+    inputs = (query, key, value) if sinks is None else (query, key, value, sinks)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+        return FlashAttentionFunction.apply(query, key, value, plan, sinks)
     return _tensor(api.attention(qn, plan.keys(kn), plan.keys(vn), **plan.opts))
