@@ -38,6 +38,7 @@ def run(script, args, monkeypatch):
     ("cpu_block_ab.py", ["--rounds", "0"], "--rounds must be at least 1"),
     ("cpu_block_ab.py", ["--rows", "64,50"], "--rows: each must be 0 or a multiple of"),
     ("cpu_accuracy.py", ["--seeds", "0"], "--seeds must be at least 1"),
+    ("cpu_sinks_cost.py", ["--rounds", "0"], "--rounds must be at least 1"),
     ("cpu_kv_layout.py", ["--keys", "0"], "--keys must be at least 1"),
     ("cpu_kv_layout.py", ["--rounds", "0"], "--rounds must be at least 1"),
     ("cpu_accuracy.py", ["--peaked", "-1"], "--peaked must be 0 (off) or positive"),

@@ -197,6 +197,9 @@ def test_sinks_with_out_vjp_and_threads():
     buf = np.empty_like(q)
     assert cpuflash.attention(q, k, v, sinks=sinks, out=buf) is buf
     assert np.array_equal(buf, cpuflash.attention(q, k, v, sinks=sinks))
+    strided = np.empty((1, 4, 40, 32), np.float32)[..., ::2]
+    assert cpuflash.attention(q, k, v, sinks=sinks, out=strided) is strided
+    assert np.array_equal(strided, buf)
     out, *grads = cpuflash.attention_vjp(q, k, v, dout, sinks=sinks)
     assert len(grads) == 4 and np.array_equal(out, buf)
     runs = on_threads(lambda: cpuflash.attention_vjp(q, k, v, dout, sinks=sinks), [1, 2])

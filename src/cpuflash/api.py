@@ -91,8 +91,8 @@ def _with_sinks(q, sinks, return_lse, device, run):
     return_lse = _checks.flag("return_lse", return_lse)
     logits = _sink_logits(q, sinks, device)
     out, lse = run()
-    lse = _sinks.fold(_checks.as_4d(out), lse.reshape(_checks.as_4d(out).shape[:3]),
-                      logits[:, :, None]).reshape(lse.shape)
+    out4 = _checks.as_4d(out)
+    lse = _sinks.fold(out4, lse.reshape(out4.shape[:3]), logits[:, :, None]).reshape(lse.shape)
     return (out, lse) if return_lse else out
 
 
@@ -107,7 +107,7 @@ def _sink_logits(q, sinks, device):
     if _on_cuda(q, device):
         raise NotImplementedError("sinks: not yet on the CUDA path (the CPU path has them)")
     _checks.array("q", q)
-    n_b, n_hq = _checks.as_4d(q).shape[:2]
+    n_b, n_hq = ((1, 1) + q.shape)[-4:-2]
     return _sinks.check(sinks, n_b, n_hq)
 
 

@@ -10,7 +10,8 @@ times one factor a row, and the kernels need not know of it:
 
     out' = out * e^(lse - lse'),
 
-folded in after the kernel from the ``lse`` it returns (in float64, rounded once into ``out``).
+folded in after the kernel from the ``lse`` it returns (in float64, rounded once into ``out``;
+one pass over the rows, ``_cpu/sinks.py``).
 The backward kernels, given ``out'`` and ``lse'``, already compute the right ``dq, dk, dv``:
 they recompute ``P' = e^(S - lse')`` and use ``D = rowsum(dO * out')``, which is also
 ``rowsum(P' * dP)`` with the sink's ``dP = 0``. The sink's own gradient is the softmax's
@@ -20,6 +21,8 @@ A row that sees no key gives ``out' = 0`` and ``lse' = c``; a sink of ``-inf`` i
 (``out' = out`` and ``lse' = lse`` bit for bit).
 """
 import numpy as np
+
+from ._cpu.sinks import fold_rows
 
 
 def check(sinks, n_b, n_hq):
@@ -32,22 +35,26 @@ def check(sinks, n_b, n_hq):
     if sinks.shape not in ((n_hq,), (n_b, n_hq)):
         raise ValueError(f"sinks: expected shape ({n_hq},) or ({n_b}, {n_hq}) (one logit a "
                          f"query head), got {sinks.shape}")
-    logits = sinks.astype(np.float64).reshape(-1, n_hq)
-    if np.isnan(logits).any() or (logits == np.inf).any():
+    logits = sinks.astype(np.float64, copy=False)
+    if sinks.size and not logits.max() < np.inf:  # NaN or +inf
         raise ValueError("sinks: expected finite logits or -inf (no sink), got NaN or +inf")
-    return logits
+    return logits.reshape(-1, n_hq)
 
 
 def fold(out, lse, sink):
-    """The sinks ``sink`` (broadcastable to ``lse``) folded into one call's results: ``out``
-    (``lse.shape + (Dv,)``) scaled in place by ``e^(lse - lse')``; returns ``lse'`` in
-    ``lse``'s dtype. NaN in ``lse`` (a row that met NaN) stays NaN in both."""
-    lse64 = lse.astype(np.float64)
-    lse_new = np.logaddexp(lse64, sink)  # -inf for a row with no key and no sink
-    with np.errstate(invalid="ignore"):  # -inf - -inf, where the row's factor is 0 anyway
-        factor = np.where(lse_new > -np.inf, np.exp(lse64 - lse_new), 0.0)
-    np.multiply(out, factor[..., None], out=out, casting="same_kind")
-    return lse_new.astype(lse.dtype)
+    """The sinks ``sink`` (float64, 3-D, each axis 1 or ``lse``'s) folded into one call's
+    results, ``out`` (``(B, H, N, Dv)``) scaled in place by ``e^(lse - lse')`` and ``lse``
+    ``(B, H, N)``; returns ``lse'`` in ``lse``'s dtype (``_cpu.sinks.fold_rows``; a float16 or
+    strided ``out``, the ``out=`` of a caller, through a C-contiguous float32 or float64
+    copy). NaN in ``lse`` (a row that met NaN) stays NaN in both."""
+    lse_new = np.empty(lse.shape, lse.dtype)
+    if out.dtype != np.float16 and out.flags.c_contiguous:
+        fold_rows(out, lse, sink, lse_new)
+        return lse_new
+    wide = np.ascontiguousarray(out, dtype=np.float64 if out.dtype == np.float64 else np.float32)
+    fold_rows(wide, lse, sink, lse_new)
+    out[...] = wide
+    return lse_new
 
 
 def row_gradients(dout, out, lse, sink):

@@ -106,7 +106,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale
                           (left, right), mods, (drop_below, seeds, inv_keep), config.PORTABLE)
     out = out.astype(q.dtype, copy=False)
     if sink_rows is not None:
-        lse = np.ascontiguousarray(_sinks.fold(out, lse.T, sink_rows).T)
+        lse = np.ascontiguousarray(_sinks.fold(out[None], lse.T[None], sink_rows[None])[0].T)
     return (out, lse) if return_lse else out
 
 
