@@ -63,13 +63,7 @@ def attention(q, k, v, *, causal=False, scale=None, mask=None, window=None, kv_l
     Any strides are accepted (transposed or broadcast views); float16 computes in float32.
     A row that sees no key gets output 0 (and ``lse = -inf``).
     """
-    if sinks is not None:
-        return _with_sinks(q, sinks, return_lse, device, lambda: _attention(
-            q, k, v, None, causal=causal, scale=scale, mask=mask, window=window,
-            kv_lens=kv_lens, alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p,
-            seed=seed, return_lse=True, out=out, k_scale=k_scale, v_scale=v_scale,
-            device=device))
-    if (out is None and mask is None and window is None and kv_lens is None
+    if (sinks is None and out is None and mask is None and window is None and kv_lens is None
             and alibi_slopes is None and softcap is None and k_scale is None
             and v_scale is None and device is None and type(dropout_p) in (float, int)
             and dropout_p == 0 and (return_lse is False or return_lse is True)):
@@ -80,16 +74,16 @@ def attention(q, k, v, *, causal=False, scale=None, mask=None, window=None, kv_l
             return result
     return _attention(q, k, v, None, causal=causal, scale=scale, mask=mask, window=window,
                       kv_lens=kv_lens, alibi_slopes=alibi_slopes, softcap=softcap,
-                      dropout_p=dropout_p, seed=seed, return_lse=return_lse, out=out,
-                      k_scale=k_scale, v_scale=v_scale, device=device)
+                      dropout_p=dropout_p, seed=seed, sinks=sinks, return_lse=return_lse,
+                      out=out, k_scale=k_scale, v_scale=v_scale, device=device)
 
 
-def _with_sinks(q, sinks, return_lse, device, run):
-    """A forward call with ``sinks``: they are checked against ``q`` first, then ``run()`` (the
-    call without them, returning ``(out, lse)``), then folded into its results
+def _with_sinks(q, sinks, return_lse, run):
+    """A CPU forward call with ``sinks``: they are checked against ``q`` first, then ``run()``
+    (the call without them, returning ``(out, lse)``), then folded into its results
     (``sinks.fold``)."""
     return_lse = _checks.flag("return_lse", return_lse)
-    logits = _sink_logits(q, sinks, device)
+    logits = _sink_logits(q, sinks)
     out, lse = run()
     out4 = _checks.as_4d(out)
     lse = _sinks.fold(out4, lse.reshape(out4.shape[:3]), logits[:, :, None]).reshape(lse.shape)
@@ -99,13 +93,11 @@ def _with_sinks(q, sinks, return_lse, device, run):
 def sink_step(q, sinks, return_lse, run):
     """``KVCache.attention``'s step with ``sinks``: ``run()`` returns the step's ``(out,
     lse)`` without them (``_with_sinks``)."""
-    return _with_sinks(q, sinks, return_lse, None, run)
+    return _with_sinks(q, sinks, return_lse, run)
 
 
-def _sink_logits(q, sinks, device):
-    """``sinks`` checked against ``q`` (``sinks.check``): float64 ``(B or 1, Hq)``."""
-    if _on_cuda(q, device):
-        raise NotImplementedError("sinks: not yet on the CUDA path (the CPU path has them)")
+def _sink_logits(q, sinks):
+    """``sinks`` checked against the numpy ``q`` (``sinks.check``): float64 ``(B or 1, Hq)``."""
     _checks.array("q", q)
     n_b, n_hq = ((1, 1) + q.shape)[-4:-2]
     return _sinks.check(sinks, n_b, n_hq)
@@ -152,7 +144,8 @@ def _stand_in(shape, dtype):
 
 def _attention(q, k, v, kv_blocks, *, causal=False, scale=None, mask=None, window=None,
                kv_lens=None, alibi_slopes=None, softcap=None, dropout_p=0.0, seed=None,
-               return_lse=False, out=None, k_scale=None, v_scale=None, device=None):
+               sinks=None, return_lse=False, out=None, k_scale=None, v_scale=None,
+               device=None):
     """``attention`` after the plain decode path; ``kv_blocks``: as ``attention_on_blocks``
     (``k`` and ``v`` then their stand-ins), or None."""
     return_lse = _checks.flag("return_lse", return_lse)
@@ -162,7 +155,14 @@ def _attention(q, k, v, kv_blocks, *, causal=False, scale=None, mask=None, windo
         return _cuda_dispatch().attention(
             q, k, v, causal=causal, scale=scale, mask=mask, window=window, kv_lens=kv_lens,
             alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p, seed=seed,
-            return_lse=return_lse, out=out, device=device, k_scale=k_scale, v_scale=v_scale)
+            return_lse=return_lse, out=out, device=device, k_scale=k_scale, v_scale=v_scale,
+            sinks=sinks)
+    if sinks is not None:
+        return _with_sinks(q, sinks, return_lse, lambda: _attention(
+            q, k, v, kv_blocks, causal=causal, scale=scale, mask=mask, window=window,
+            kv_lens=kv_lens, alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p,
+            seed=seed, return_lse=True, out=out, k_scale=k_scale, v_scale=v_scale,
+            device=device))
     call = _prepare(q, k, v, causal, scale, mask, window, kv_lens, alibi_slopes, softcap,
                     dropout_p, seed, k_scale, v_scale)
     out_shape = q.shape[:-1] + (call.dv,)
@@ -390,8 +390,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, mas
     With ``sinks`` (and the ``out``, ``lse`` that the call with them returned), returns
     ``(dq, dk, dv, dsinks)``: ``dsinks`` shaped like ``sinks``, in ``lse``'s dtype.
     """
-    if sinks is not None:
-        logits = _sink_logits(q, sinks, device)
+    if sinks is not None and not _on_cuda(q, device):
+        logits = _sink_logits(q, sinks)
         grads = attention_backward(
             dout, q, k, v, out, lse, causal=causal, scale=scale, mask=mask, window=window,
             kv_lens=kv_lens, alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p,
@@ -405,7 +405,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, mas
         return _cuda_dispatch().attention_backward(
             dout, q, k, v, out, lse, causal=causal, scale=scale, mask=mask, window=window,
             kv_lens=kv_lens, alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p,
-            seed=seed, device=device)
+            seed=seed, device=device, sinks=sinks)
     call = _prepare(q, k, v, causal, scale, mask, window, kv_lens, alibi_slopes, softcap,
                     dropout_p, seed, cache_formats=False)
     out_shape = q.shape[:-1] + (call.dv,)

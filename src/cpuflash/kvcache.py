@@ -235,7 +235,8 @@ class KVCache:
 
         ``sinks`` (as ``cpuflash.attention``'s) are folded into the step's results after its
         kernel, so steps with them run from plans too."""
-        if options.get("sinks") is not None:
+        if options.get("sinks") is not None and type(q) is np.ndarray and \
+                options.get("device") is None:
             sinks, return_lse = options.pop("sinks"), options.pop("return_lse", False)
             return sink_step(q, sinks, return_lse, lambda: self._step(layer, q, options, True))
         return self._step(layer, q, options, False)

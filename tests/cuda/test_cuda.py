@@ -110,6 +110,43 @@ def test_backward_float16():
         np.testing.assert_allclose(g, r, atol=1e-2 * max(1.0, np.abs(r).max()), rtol=0)
 
 
+@pytest.mark.parametrize("per_batch", [False, True])
+def test_sinks(per_batch):
+    """Attention sinks folded in after the kernels (``_cuda/sinks.py``), forward and backward
+    with ``dsinks``, against the reference; a row that sees no key gives output 0 and
+    ``lse = c``, a sink of -inf none at all."""
+    shape = SHAPES[-1] if BIG else SHAPES[0]
+    q, k, v = qkv(shape)
+    (dout,) = rands(q.shape[:-1] + (v.shape[-1],), seed=7)
+    n_b, n_hq = shape[:2]
+    sinks = np.linspace(-1.0, 2.0, n_b * n_hq).reshape(n_b, n_hq).astype(np.float32)
+    sinks = sinks if per_batch else sinks[0]
+    sinks[..., -1] = -np.inf
+    opts = {"causal": True, "kv_lens": np.arange(n_b, dtype=np.int64) * 0 + 2}
+    opts["kv_lens"][0] = 0  # batch 0: no key at all
+    gq, gk, gv, gdo = on_gpu(q, k, v, dout)
+    out, lse = cpuflash.attention(gq, gk, gv, return_lse=True, sinks=sinks, **opts)
+    ref, ref_lse = reference.attention(q, k, v, return_lse=True, sinks=sinks, **opts)
+    out, lse = out.copy_to_host(), lse.copy_to_host()
+    np.testing.assert_allclose(out, ref, atol=tol(np.float32, ref), rtol=0)
+    assert np.array_equal(np.isfinite(lse), np.isfinite(ref_lse))
+    seen = np.isfinite(ref_lse)
+    np.testing.assert_allclose(lse[seen], ref_lse[seen], atol=2e-5, rtol=2e-5)
+    assert np.all(out[0] == 0)
+    grads = cpuflash.attention_backward(gdo, gq, gk, gv, *on_gpu(out, lse), sinks=sinks, **opts)
+    refs = reference.attention_backward(dout, q, k, v, sinks=sinks, **opts)
+    assert len(grads) == 4
+    for name, g, r in zip(("dq", "dk", "dv", "dsinks"), grads, refs):
+        g = g.copy_to_host()
+        assert g.shape == r.shape and g.dtype == np.float32, name
+        np.testing.assert_allclose(g, r, atol=5 * tol(np.float32, r), rtol=0, err_msg=name)
+    # numpy in and out (device="cuda"): the same numbers
+    out_np = cpuflash.attention(q, k, v, sinks=sinks, device="cuda", **opts)
+    assert isinstance(out_np, np.ndarray) and np.array_equal(out_np, out)
+    with pytest.raises(ValueError, match="sinks"):
+        cpuflash.attention(gq, gk, gv, sinks=np.zeros(n_hq + 1))
+
+
 def test_ranks_and_strides():
     """2-D and 3-D inputs, and transposed views of a (B, N, H, D) buffer, read in place."""
     (x,) = rands((2, 9, 3, 8))
@@ -334,7 +371,8 @@ def test_dtype_errors():
 
 @pytest.mark.skipif(SIMULATED, reason="torch CUDA tensors need a GPU")
 @pytest.mark.parametrize("opt", [{"is_causal": True}, {"mask": True, "dropout_p": 0.2, "seed": 5},
-                                 {"softcap": 5.0, "window": (8, 0), "dropout_p": 0.1, "seed": 6}],
+                                 {"softcap": 5.0, "window": (8, 0), "dropout_p": 0.1, "seed": 6},
+                                 {"is_causal": True, "sinks": True}],
                          ids=str)
 def test_torch_dropin_on_cuda_tensors(opt):
     """``cpuflash.torch``'s SDPA on CUDA tensors: output and gradients as the same call on CPU
@@ -347,14 +385,19 @@ def test_torch_dropin_on_cuda_tensors(opt):
     (dout,) = rands(q.shape, seed=7)
     opts = dict(opt, enable_gqa=True)
     mask = torch.from_numpy(_mask("bool", shape)) if opts.pop("mask", False) else None
+    sinks = np.linspace(-1.0, 3.0, 4).astype(np.float32) if opts.pop("sinks", False) else None
     results = {}
     for device in ("cpu", "cuda"):
         ts = [torch.from_numpy(x).to(device).requires_grad_() for x in (q, k, v)]
-        out = sdpa(*ts, attn_mask=None if mask is None else mask.to(device), **opts)
+        if sinks is not None:  # differentiable, on the device of q
+            ts.append(torch.from_numpy(sinks).to(device).requires_grad_())
+            opts["sinks"] = ts[-1]
+        out = sdpa(*ts[:3], attn_mask=None if mask is None else mask.to(device), **opts)
         assert out.device.type == device
         out.backward(torch.from_numpy(dout).to(device))
         results[device] = [out.detach().cpu().numpy()] + [t.grad.cpu().numpy() for t in ts]
-    for name, cpu, gpu in zip(("out", "dq", "dk", "dv"), results["cpu"], results["cuda"]):
+    for name, cpu, gpu in zip(("out", "dq", "dk", "dv", "dsinks"), results["cpu"],
+                              results["cuda"]):
         np.testing.assert_allclose(gpu, cpu, atol=5 * tol(np.float32, cpu), rtol=0, err_msg=name)
     cuda_qkv = [torch.from_numpy(x).cuda() for x in (q, k, v)]
     if mask is not None:  # a mask on the CPU beside CUDA tensors: refused, naming it

@@ -355,7 +355,8 @@ def run_backward(dout, q, k, v, out, lse, scale, band, mods, dq, dk, dv, stream=
                  scratch=None, mask=None, drop=masks.NO_DROPOUT):
     """Launch on 4-D ``GpuArray``s, on the raw ``stream``; writes ``dq, dk, dv`` (4-D, the
     dtypes of q, k, v). ``scratch(shape)``: a new float32 ``GpuArray`` (default: numba's).
-    ``mask``, ``drop``: as ``forward.run_forward`` takes them."""
+    ``mask``, ``drop``: as ``forward.run_forward`` takes them. Returns ``delta``, each row's
+    ``rowsum(dO * O)`` (B, Hq, Nq), for the sinks' gradient (``sinks.run_dsinks``)."""
     n_b, n_hq, n_q, d = q.shape
     n_hkv, n_k, d_v = k.shape[1], k.shape[2], v.shape[3]
     options, has_mods = option_args(scale, band, mods)
@@ -374,3 +375,4 @@ def run_backward(dout, q, k, v, out, lse, scale, band, mods, dq, dk, dv, stream=
         dkdv_k(grid(n_b * n_hkv, n_k, r1), t1, stream, *args, dk, dv)
     if rows:
         dq_k(grid(n_b * n_hq, n_q, r2), t2, stream, *args, scale, dq)
+    return delta

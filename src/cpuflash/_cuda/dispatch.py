@@ -9,10 +9,12 @@ for numpy inputs. The scalar options go through the same checks as the CPU path
 import numpy as np
 
 from .. import _checks, masks
+from .. import sinks as _sinks
 from . import arrays
 from .backward import run_backward
 from .forward import run_forward
 from .runtime import load, require_device
+from .sinks import logits_on_device, run_dsinks, run_fold
 from .tiles import MAX_HEAD_DIM
 
 GPU_DTYPES = (np.dtype(np.float16), np.dtype(np.float32))
@@ -131,8 +133,18 @@ class _Shape:
         self.shape = shape
 
 
+def _sink_logits(sinks, q):
+    """The checked sinks (``sinks.check``; a GPU array is read back, as the other small
+    option arrays), on the device; None without sinks."""
+    if sinks is None:
+        return None
+    n_b, n_hq = ((1, 1) + tuple(q.shape))[-4:-2]
+    return logits_on_device(_sinks.check(_host("sinks", sinks), n_b, n_hq))
+
+
 def attention(q, k, v, *, causal, scale, mask, window, kv_lens, alibi_slopes, softcap,
-              dropout_p, seed, return_lse, out, device, k_scale=None, v_scale=None):
+              dropout_p, seed, return_lse, out, device, k_scale=None, v_scale=None,
+              sinks=None):
     named = {"q": q, "k": k, "v": v}
     named.update({n: x for n, x in (("k_scale", k_scale), ("v_scale", v_scale))
                   if x is not None})
@@ -141,6 +153,7 @@ def attention(q, k, v, *, causal, scale, mask, window, kv_lens, alibi_slopes, so
         views["q"], views["k"], views["v"], causal, scale, views.get("mask"), window, kv_lens,
         alibi_slopes, softcap, dropout_p, seed,
         cache=(views.get("k_scale"), views.get("v_scale")))
+    sinks_dev = _sink_logits(sinks, views["q"])
     views = _upload(views)
     if kv_scales is not None:  # the uploaded ones, (B, Hkv, Nk)
         kv_scales = tuple(arrays.as_nd(views[n], 3) for n in ("k_scale", "v_scale"))
@@ -161,6 +174,8 @@ def attention(q, k, v, *, causal, scale, mask, window, kv_lens, alibi_slopes, so
     run_forward(*(arrays.as_4d(views[n]) for n in "qkv"), scale, band, mods,
                 arrays.as_4d(out_dev), arrays.as_nd(lse_dev, 3), qd.stream,
                 mask=_mask_4d(views), drop=drop, kv_scales=kv_scales)
+    if sinks_dev is not None:
+        run_fold(arrays.as_4d(out_dev), arrays.as_nd(lse_dev, 3), sinks_dev, qd.stream)
     if kind == "numpy":
         result = out_dev.copy_to_host()
         lse_result = lse_dev.copy_to_host() if return_lse else None
@@ -181,7 +196,7 @@ def _matches(name, x, shape, dtype):
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal, scale, mask, window, kv_lens,
-                       alibi_slopes, softcap, dropout_p, seed, device):
+                       alibi_slopes, softcap, dropout_p, seed, device, sinks=None):
     views, kind = _inputs(_with_mask({"q": q, "k": k, "v": v, "dout": dout, "out": out,
                                       "lse": lse}, mask), device)
     dv, scale, band, mods, drop, _ = _options(views["q"], views["k"], views["v"], causal,
@@ -192,15 +207,20 @@ def attention_backward(dout, q, k, v, out, lse, *, causal, scale, mask, window, 
     for name in ("dout", "out"):
         _matches(name, views[name], out_shape, np.dtype(qd.dtype))
     _matches("lse", views["lse"], tuple(q.shape[:-1]), np.dtype(np.float32))
+    sinks_dev = _sink_logits(sinks, qd)
     views = _upload(views)
     like = q if kind != "numpy" else views["q"].owner
     grads = [arrays.empty(tuple(x.shape), x.dtype, like)
              for x in (views["q"], views["k"], views["v"])]
-    run_backward(*(arrays.as_4d(views[n]) for n in ("dout", "q", "k", "v", "out")),
+    delta = run_backward(*(arrays.as_4d(views[n]) for n in ("dout", "q", "k", "v", "out")),
                  arrays.as_nd(views["lse"], 3), scale, band, mods,
                  *(arrays.as_4d(g[1]) for g in grads), stream=views["q"].stream,
                  scratch=lambda shape: arrays.empty(shape, np.float32, like)[1],
                  mask=_mask_4d(views), drop=drop)
+    if sinks_dev is not None:  # out, lse with the sinks in: the kernels gave dq, dk, dv
+        grads.append(arrays.empty(tuple(sinks.shape), np.float32, like))
+        run_dsinks(delta, arrays.as_nd(views["lse"], 3), sinks_dev, grads[-1][1],
+                   views["q"].stream)
     if kind == "numpy":
         return tuple(g[1].copy_to_host() for g in grads)
     return tuple(g[0] for g in grads)
