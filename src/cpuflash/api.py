@@ -78,22 +78,16 @@ def attention(q, k, v, *, causal=False, scale=None, mask=None, window=None, kv_l
                       out=out, k_scale=k_scale, v_scale=v_scale, device=device)
 
 
-def _with_sinks(q, sinks, return_lse, run):
-    """A CPU forward call with ``sinks``: they are checked against ``q`` first, then ``run()``
-    (the call without them, returning ``(out, lse)``), then folded into its results
-    (``sinks.fold``)."""
+def with_sinks(q, sinks, return_lse, run):
+    """A CPU forward call with ``sinks`` (``_attention``'s, ``KVCache.attention``'s): they are
+    checked against ``q`` first, then ``run()`` (the call without them, returning ``(out,
+    lse)``), then folded into its results (``sinks.fold``)."""
     return_lse = _checks.flag("return_lse", return_lse)
     logits = _sink_logits(q, sinks)
     out, lse = run()
     out4 = _checks.as_4d(out)
     lse = _sinks.fold(out4, lse.reshape(out4.shape[:3]), logits[:, :, None]).reshape(lse.shape)
     return (out, lse) if return_lse else out
-
-
-def sink_step(q, sinks, return_lse, run):
-    """``KVCache.attention``'s step with ``sinks``: ``run()`` returns the step's ``(out,
-    lse)`` without them (``_with_sinks``)."""
-    return _with_sinks(q, sinks, return_lse, run)
 
 
 def _sink_logits(q, sinks):
@@ -158,7 +152,7 @@ def _attention(q, k, v, kv_blocks, *, causal=False, scale=None, mask=None, windo
             return_lse=return_lse, out=out, device=device, k_scale=k_scale, v_scale=v_scale,
             sinks=sinks)
     if sinks is not None:
-        return _with_sinks(q, sinks, return_lse, lambda: _attention(
+        return with_sinks(q, sinks, return_lse, lambda: _attention(
             q, k, v, kv_blocks, causal=causal, scale=scale, mask=mask, window=window,
             kv_lens=kv_lens, alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p,
             seed=seed, return_lse=True, out=out, k_scale=k_scale, v_scale=v_scale,

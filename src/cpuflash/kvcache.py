@@ -35,7 +35,7 @@ from ._cpu.decode import (KEY_BLOCK, arrays_of_blocks, key_panel_width, layer_bl
                           value_panel_width)
 from ._cpu.pack import aligned, on_line
 from ._cpu.quantize import quantize_rows
-from .api import attention_on_blocks, sink_step, step_plan
+from .api import attention_on_blocks, step_plan, with_sinks
 
 STORAGE_DTYPES = (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16),
                   np.dtype(np.int8))
@@ -238,7 +238,7 @@ class KVCache:
         if options.get("sinks") is not None and type(q) is np.ndarray and \
                 options.get("device") is None:
             sinks, return_lse = options.pop("sinks"), options.pop("return_lse", False)
-            return sink_step(q, sinks, return_lse, lambda: self._step(layer, q, options, True))
+            return with_sinks(q, sinks, return_lse, lambda: self._step(layer, q, options, True))
         return self._step(layer, q, options, False)
 
     def _step(self, layer, q, options, with_lse):

@@ -791,8 +791,9 @@ class StepPlan:
     with what changes from step to step made anew by ``run`` (``PER_STEP``: the queries, the
     number of keys and what follows from it, and the output; and an int8 cache's scales over
     that length) the way ``decode_args`` makes it. The same kernel on the same arguments as
-    the plain path: the same bits. The log-sum-exp, which no step returns, goes to one array
-    the plan keeps (two threads' steps of one plan at once both write it; nothing reads it).
+    the plain path: the same bits. The log-sum-exp goes to one array the plan keeps (two
+    threads' steps of one plan at once both write it; nothing reads it), or, for a step that
+    returns it (``run(..., with_lse=True)``: sinks are folded in from it), to one of its own.
 
     Why: a step from DRAM runs right after the previous layer's kernel has swept every cache,
     and there the Python of the plain decode path (``api._plain_decode``: checks, stand-ins,
