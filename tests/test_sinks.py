@@ -134,6 +134,31 @@ def test_rows_that_see_no_key_give_the_sink_alone():
     assert not np.isnan(cpuflash.attention(q1, k, v, sinks=sinks, **opts)).any()
 
 
+@pytest.mark.parametrize("q_shape, k_shape", [((0, 4, 5, 8), (0, 2, 7, 8)),
+                                              ((1, 4, 0, 8), (1, 2, 7, 8)),
+                                              ((1, 0, 5, 8), (1, 0, 7, 8)),
+                                              ((1, 4, 5, 8), (1, 2, 0, 8))])
+def test_sinks_with_empty_sizes(q_shape, k_shape):
+    """B, Nq, H or Nk of 0: empty or zero results, no error, no NaN; with no key at all the
+    output is 0 and ``lse`` is the sink (or -inf without one)."""
+    q, k = rands(q_shape, k_shape)
+    sinks = np.linspace(-1.0, 1.0, q_shape[1])
+    if sinks.size:
+        sinks[-1] = -np.inf
+    out, lse = cpuflash.attention(q, k, k, sinks=sinks, return_lse=True)
+    assert out.shape == q_shape and lse.shape == q_shape[:3] and not np.isnan(out).any()
+    assert np.all(out == 0) or k_shape[2] > 0
+    if k_shape[2] == 0 and q.size:
+        assert np.array_equal(lse, np.broadcast_to(sinks[:, None], lse.shape[1:])[None]
+                              .astype(np.float32))
+    if q_shape[1]:  # the reference's GQA group is Hq // Hkv: no heads, no reference
+        ref, ref_lse = reference.attention(q, k, k, sinks=sinks, return_lse=True)
+        assert np.array_equal(out, ref) and np.array_equal(lse, ref_lse.astype(np.float32))
+    *grads, dsinks = cpuflash.attention_backward(out, q, k, k, out, lse, sinks=sinks)
+    assert dsinks.shape == sinks.shape and not np.isnan(dsinks).any()
+    assert all(g.shape == x.shape and not np.isnan(g).any() for g, x in zip(grads, (q, k, k)))
+
+
 @pytest.mark.parametrize("cache", ["float32", "float16", "int8"])
 def test_sinks_on_the_decode_path_and_kvcache(cache):
     q, k, v = rands((2, 8, 3, 64), (2, 2, 300, 64), (2, 2, 300, 64))

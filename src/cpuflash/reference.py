@@ -44,6 +44,8 @@ def visible(n_q, n_k, causal=False, window=None, kv_len=None):
 def _seen(n_b, n_q, n_k, causal, window, kv_lens):
     """Bool (B, 1, Nq, Nk) from ``visible`` per batch."""
     lens = [None] * n_b if kv_lens is None else list(kv_lens)
+    if not lens:  # B = 0
+        return np.zeros((0, 1, n_q, n_k), dtype=bool)
     return np.stack([visible(n_q, n_k, causal, window, n) for n in lens])[:, None]
 
 

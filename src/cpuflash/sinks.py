@@ -38,7 +38,7 @@ def check(sinks, n_b, n_hq):
     logits = sinks.astype(np.float64, copy=False)
     if sinks.size and not logits.max() < np.inf:  # NaN or +inf
         raise ValueError("sinks: expected finite logits or -inf (no sink), got NaN or +inf")
-    return logits.reshape(-1, n_hq)
+    return logits.reshape((1, n_hq) if sinks.ndim == 1 else (n_b, n_hq))
 
 
 def fold(out, lse, sink):
