@@ -32,7 +32,7 @@ Where torch defines a behaviour this follows it:
 
 Beyond torch (keyword-only, cpuflash's semantics, see ``cpuflash.attention``): ``window``,
 ``alibi_slopes`` (a tensor or array (Hq,) or (B, Hq)), ``softcap``, ``seed``, and ``sinks``
-(attention sinks, a float tensor (Hq,) or (B, Hq) as gpt-oss's, differentiable; CPU only).
+(attention sinks, a float tensor (Hq,) or (B, Hq) as gpt-oss's, differentiable).
 
 Differences: a row that sees no key gives 0 (torch's math path gives NaN); dtypes float32,
 float64 and float16 (computed in float32; float64 on the CPU only); bfloat16 has no numpy
