@@ -2,12 +2,15 @@
 
     python examples/gpt2_decode.py                      # 12 layers, 12 heads, d_model 768
     python examples/gpt2_decode.py --prompt 2048 --new 32 --cache float16 --kv-heads 4
+    python examples/gpt2_decode.py --sinks               # gpt-oss's attention sinks too
 
 Random weights with a fixed seed (the shapes of GPT-2 small, vocabulary cut to 8192 to keep the
 example light); the point is the generation loop, not the text. The prompt is run in one causal
 pass (prefill), then one token at a time against the cache (decode). The same model is run
 again with naive numpy attention over a plain growing K/V array, and the two must produce the
 same tokens; the script prints tokens per second for both and exits non-zero if they differ.
+``--sinks`` gives every layer gpt-oss's attention sinks (a learned logit per head in each row's
+softmax, here drawn at random); the naive side appends them as a score column.
 """
 import argparse
 import os
@@ -30,8 +33,9 @@ class Config:
         self.head_dim = d_model // heads
 
 
-def init_weights(cfg, seed=0):
-    """GPT-2's initialization: normal(0, 0.02), residual projections scaled by 1/sqrt(2L)."""
+def init_weights(cfg, seed=0, sinks=False):
+    """GPT-2's initialization: normal(0, 0.02), residual projections scaled by 1/sqrt(2L);
+    ``sinks``: each layer's attention sinks too, a logit per head, normal(0, 1)."""
     rng = np.random.default_rng(seed)
 
     def normal(*shape, std=0.02):
@@ -45,6 +49,7 @@ def init_weights(cfg, seed=0):
         "w_o": normal(d, d, std=proj_std),
         "ln2": (np.ones(d, np.float32), np.zeros(d, np.float32)),
         "w_fc": normal(d, 4 * d), "w_proj": normal(4 * d, d, std=proj_std),
+        "sinks": normal(cfg.heads, std=1.0) if sinks else None,
     } for _ in range(cfg.layers)]
     return {"wte": normal(cfg.vocab, d), "wpe": normal(cfg.max_len, d, std=0.01),
             "layers": layers, "ln_f": (np.ones(d, np.float32), np.zeros(d, np.float32))}
@@ -61,16 +66,20 @@ def gelu(x):  # GPT-2's tanh approximation
     return 0.5 * x * (1.0 + np.tanh(np.float32(0.7978845608) * (x + np.float32(0.044715) * x**3)))
 
 
-def naive_attention(q, k, v):
+def naive_attention(q, k, v, sinks=None):
     """softmax(q k^T / sqrt(D)) v with bottom-right causal masking, the (Nq, Nk) scores in full;
-    GQA by repeating the kv heads."""
+    GQA by repeating the kv heads; ``sinks`` (H,): one more score column per head, dropped
+    after the softmax (transformers' gpt-oss eager attention)."""
     group = q.shape[0] // k.shape[0]
     k, v = np.repeat(k, group, axis=0), np.repeat(v, group, axis=0)
     s = q @ k.transpose(0, 2, 1) / np.float32(np.sqrt(q.shape[-1]))
     n_q, n_k = s.shape[-2:]
     s = np.where(np.tril(np.ones((n_q, n_k), bool), n_k - n_q), s, -np.inf)
+    if sinks is not None:
+        s = np.concatenate([s, np.broadcast_to(sinks[:, None, None], (len(sinks), n_q, 1))], -1)
     p = np.exp(s - s.max(-1, keepdims=True))
-    return (p / p.sum(-1, keepdims=True)) @ v
+    p = p / p.sum(-1, keepdims=True)
+    return (p if sinks is None else p[..., :-1]) @ v
 
 
 class CpuflashAttention:
@@ -80,9 +89,9 @@ class CpuflashAttention:
         self.cache = cpuflash.KVCache(cfg.layers, 1, cfg.kv_heads, cfg.max_len, cfg.head_dim,
                                       dtype=cache_dtype)
 
-    def __call__(self, layer, q, k, v):  # (H, n, D) each
+    def __call__(self, layer, q, k, v, sinks=None):  # (H, n, D) each; sinks (H,) or None
         self.cache.append(layer, k[None], v[None])
-        return self.cache.attention(layer, q[None], causal=True)[0]
+        return self.cache.attention(layer, q[None], causal=True, sinks=sinks)[0]
 
 
 class NaiveAttention:
@@ -93,11 +102,11 @@ class NaiveAttention:
         self.v = np.zeros_like(self.k)
         self.lengths = [0] * cfg.layers
 
-    def __call__(self, layer, q, k, v):
+    def __call__(self, layer, q, k, v, sinks=None):
         start, stop = self.lengths[layer], self.lengths[layer] + k.shape[1]
         self.k[layer, :, start:stop], self.v[layer, :, start:stop] = k, v
         self.lengths[layer] = stop
-        return naive_attention(q, self.k[layer, :, :stop], self.v[layer, :, :stop])
+        return naive_attention(q, self.k[layer, :, :stop], self.v[layer, :, :stop], sinks)
 
 
 def forward(cfg, weights, tokens, start, attend):
@@ -110,7 +119,7 @@ def forward(cfg, weights, tokens, start, attend):
         q = (h @ w["w_q"]).reshape(n, cfg.heads, cfg.head_dim).transpose(1, 0, 2)
         k = (h @ w["w_k"]).reshape(n, cfg.kv_heads, cfg.head_dim).transpose(1, 0, 2)
         v = (h @ w["w_v"]).reshape(n, cfg.kv_heads, cfg.head_dim).transpose(1, 0, 2)
-        a = attend(i, q, k, v).transpose(1, 0, 2).reshape(n, cfg.d_model)
+        a = attend(i, q, k, v, w["sinks"]).transpose(1, 0, 2).reshape(n, cfg.d_model)
         x = x + a @ w["w_o"]
         x = x + gelu(layer_norm(x, w["ln2"]) @ w["w_fc"]) @ w["w_proj"]
     return layer_norm(x[-1], weights["ln_f"]) @ weights["wte"].T
@@ -140,10 +149,11 @@ def main(argv=None):
     parser.add_argument("--new", type=int, default=32, help="tokens to generate")
     parser.add_argument("--cache", default="float32", choices=["float32", "float16", "int8"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sinks", action="store_true", help="attention sinks, as gpt-oss's")
     args = parser.parse_args(argv)
     cfg = Config(args.layers, args.heads, args.kv_heads, args.d_model, args.vocab,
                  max_len=args.prompt + args.new)
-    weights = init_weights(cfg, args.seed)
+    weights = init_weights(cfg, args.seed, args.sinks)
     prompt = np.random.default_rng(args.seed + 1).integers(0, cfg.vocab, args.prompt)
 
     flash = CpuflashAttention(cfg, args.cache)
@@ -158,7 +168,8 @@ def main(argv=None):
                                                     NaiveAttention(cfg))
     print(f"model: {cfg.layers} layers, {cfg.heads} heads ({cfg.kv_heads} kv), d_model "
           f"{cfg.d_model}, vocab {cfg.vocab}; prompt {args.prompt}, {args.new} new tokens; "
-          f"cpuflash cache {args.cache} ({flash.cache.nbytes / 2**20:.1f} MiB)")
+          f"cpuflash cache {args.cache} ({flash.cache.nbytes / 2**20:.1f} MiB)"
+          + ("; attention sinks" if args.sinks else ""))
     for name, p, d in (("cpuflash", pre, dec), ("naive numpy", naive_pre, naive_dec)):
         print(f"{name:>12}: prefill {p * 1e3:8.1f} ms, decode {(args.new - 1) / d:7.1f} tokens/s")
     same = tokens == naive_tokens

@@ -15,12 +15,12 @@ def load(name):
     return module
 
 
-@pytest.mark.parametrize("kv_heads", [4, 2])
-def test_gpt2_decode_same_tokens_as_naive_attention(kv_heads, capsys):
+@pytest.mark.parametrize("kv_heads, sinks", [(4, False), (2, False), (2, True)])
+def test_gpt2_decode_same_tokens_as_naive_attention(kv_heads, sinks, capsys):
     gpt2 = load("gpt2_decode")
     assert gpt2.main(["--layers", "2", "--heads", "4", "--kv-heads", str(kv_heads),
                       "--d-model", "64", "--vocab", "512", "--prompt", "40",
-                      "--new", "12"]) == 0
+                      "--new", "12"] + (["--sinks"] if sinks else [])) == 0
     assert "same tokens as naive attention: True" in capsys.readouterr().out
 
 

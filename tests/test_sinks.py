@@ -186,6 +186,21 @@ def test_sinks_on_the_decode_path_and_kvcache(cache):
     assert np.array_equal(kv.attention(0, q, causal=True, sinks=sinks), plans[0][0])
 
 
+def test_kvcache_step_with_sinks_none_runs_from_its_plan(monkeypatch):
+    """``sinks=None`` (a model passing its layer's sinks, which it lacks) is a plain step:
+    from the step plan, not the general path's checks."""
+    from cpuflash._cpu.decode import StepPlan
+    q, k, v = rands((1, 4, 1, 64), (1, 2, 100, 64), (1, 2, 100, 64))
+    kv = cpuflash.KVCache(1, 1, 2, 128, 64)
+    kv.append(0, k, v)
+    plain = kv.attention(0, q, causal=True)
+    runs = []
+    original = StepPlan.run
+    monkeypatch.setattr(StepPlan, "run", lambda self, *a: runs.append(a) or original(self, *a))
+    assert np.array_equal(kv.attention(0, q, causal=True, sinks=None), plain)
+    assert len(runs) == 1
+
+
 @pytest.mark.parametrize("per_sequence", [False, True])
 def test_sinks_varlen(per_sequence):
     lens_q, lens_k = [5, 0, 17, 9], [7, 4, 17, 30]

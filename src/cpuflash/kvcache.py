@@ -235,10 +235,14 @@ class KVCache:
 
         ``sinks`` (as ``cpuflash.attention``'s) are folded into the step's results after its
         kernel, so steps with them run from plans too."""
-        if options.get("sinks") is not None and type(q) is np.ndarray and \
-                options.get("device") is None:
-            sinks, return_lse = options.pop("sinks"), options.pop("return_lse", False)
-            return with_sinks(q, sinks, return_lse, lambda: self._step(layer, q, options, True))
+        sinks = options.pop("sinks", None)  # sinks=None: a plain step, from its plan
+        if sinks is not None:
+            if type(q) is not np.ndarray or options.get("device") is not None:
+                options["sinks"] = sinks  # the general path folds them (on the GPU there)
+            else:
+                return_lse = options.pop("return_lse", False)
+                return with_sinks(q, sinks, return_lse,
+                                  lambda: self._step(layer, q, options, True))
         return self._step(layer, q, options, False)
 
     def _step(self, layer, q, options, with_lse):
