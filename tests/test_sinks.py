@@ -262,3 +262,30 @@ def test_bad_sinks_raise_before_any_kernel(monkeypatch):
             cpuflash.attention(q, k, v, sinks=sinks)
         with pytest.raises(error, match="sinks"):
             cpuflash.attention_backward(q, q, k, v, q, q[..., 0], sinks=sinks)
+
+
+def test_bad_sinks_raise_in_varlen_and_kvcache(monkeypatch):
+    """The same checks where varlen (one row of sinks a sequence) and KVCache take them, before
+    any kernel."""
+    from cpuflash import varlen
+    from cpuflash._cpu import decode
+
+    def no_kernel(*args, **kwargs):
+        raise AssertionError("a kernel ran")
+    q, k, v = rands((9, 4, 8), (12, 2, 8), (12, 2, 8))
+    cu_q, cu_k = np.array([0, 4, 9]), np.array([0, 5, 12])
+    kv = cpuflash.KVCache(1, 1, 2, 64, 8)
+    kv.append(0, k.transpose(1, 0, 2)[None], v.transpose(1, 0, 2)[None])
+    monkeypatch.setattr(varlen, "run_varlen", no_kernel)
+    monkeypatch.setattr(varlen, "attention_backward", no_kernel)
+    monkeypatch.setattr(decode.decode, "call_built", no_kernel)
+    monkeypatch.setattr(api, "run_forward", no_kernel)
+    for sinks, error in [(np.zeros((3, 4)), ValueError), (np.zeros(5), ValueError),
+                         ([0.0] * 4, TypeError), (np.array([np.nan, 0, 0, 0]), ValueError)]:
+        with pytest.raises(error, match="sinks"):
+            cpuflash.attention_varlen(q, k, v, cu_q, cu_k, sinks=sinks)
+        with pytest.raises(error, match="sinks"):
+            cpuflash.attention_varlen_backward(q, q, k, v, q, np.zeros((4, 9), np.float32),
+                                               cu_q, cu_k, sinks=sinks)
+        with pytest.raises(error, match="sinks"):
+            kv.attention(0, q[:1].transpose(1, 0, 2)[None], causal=True, sinks=sinks)

@@ -114,6 +114,16 @@ def test_sinks_match_gpt_oss_eager_attention():
         (q[:1, :2, :5, :4], k[:1, :2, :5, :4], v[:1, :2, :5, :4], sinks[:2]))
 
 
+def test_bad_sinks():
+    q, k, v = tensors((1, 2, 5, 4), (1, 2, 6, 4), (1, 2, 6, 4), grad=False)
+    with pytest.raises(TypeError, match="sinks: expected a torch.Tensor"):
+        ct.scaled_dot_product_attention(q, k, v, sinks=[0.0, 0.0])
+    with pytest.raises(ValueError, match="sinks: expected shape"):
+        ct.scaled_dot_product_attention(q, k, v, sinks=torch.zeros(3, dtype=torch.float64))
+    with pytest.raises(ValueError, match="sinks: expected finite"):
+        ct.scaled_dot_product_attention(q, k, v, sinks=torch.tensor([0.0, float("nan")]))
+
+
 def test_dropout_follows_seeds():
     q, k, v, dout = tensors((1, 2, 24, 8), (1, 2, 24, 8), (1, 2, 24, 8), (1, 2, 24, 8))
     sdpa = ct.scaled_dot_product_attention

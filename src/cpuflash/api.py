@@ -92,9 +92,7 @@ def with_sinks(q, sinks, return_lse, run):
 
 def _sink_logits(q, sinks):
     """``sinks`` checked against the numpy ``q`` (``sinks.check``): float64 ``(B or 1, Hq)``."""
-    _checks.array("q", q)
-    n_b, n_hq = ((1, 1) + q.shape)[-4:-2]
-    return _sinks.check(sinks, n_b, n_hq)
+    return _sinks.check_for_queries(sinks, _checks.array("q", q).shape)
 
 
 def attention_on_blocks(q, kv_blocks, n_k, options):

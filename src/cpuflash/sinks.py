@@ -41,6 +41,13 @@ def check(sinks, n_b, n_hq):
     return logits.reshape((1, n_hq) if sinks.ndim == 1 else (n_b, n_hq))
 
 
+def check_for_queries(sinks, q_shape):
+    """``check`` against the queries of shape ``q_shape`` (2-D ``(N, D)``, 3-D ``(H, N, D)`` or
+    4-D ``(B, H, N, D)``, already checked): their B and Hq."""
+    n_b, n_hq = ((1, 1) + tuple(q_shape))[-4:-2]
+    return check(sinks, n_b, n_hq)
+
+
 def fold(out, lse, sink):
     """The sinks ``sink`` (float64, 3-D, each axis 1 or ``lse``'s) folded into one call's
     results, ``out`` (``(B, H, N, Dv)``) scaled in place by ``e^(lse - lse')`` and ``lse``

@@ -138,8 +138,7 @@ def _sink_logits(sinks, q):
     option arrays), on the device; None without sinks."""
     if sinks is None:
         return None
-    n_b, n_hq = ((1, 1) + tuple(q.shape))[-4:-2]
-    return logits_on_device(_sinks.check(_host("sinks", sinks), n_b, n_hq))
+    return logits_on_device(_sinks.check_for_queries(_host("sinks", sinks), q.shape))
 
 
 def attention(q, k, v, *, causal, scale, mask, window, kv_lens, alibi_slopes, softcap,
