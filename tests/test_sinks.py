@@ -188,7 +188,9 @@ def test_sinks_on_the_decode_path_and_kvcache(cache):
 
 def test_kvcache_step_with_sinks_none_runs_from_its_plan(monkeypatch):
     """``sinks=None`` (a model passing its layer's sinks, which it lacks) is a plain step:
-    from the step plan, not the general path's checks."""
+    from the step plan, not the general path's checks; so is a step with ``return_lse`` (the
+    way steps with sinks get their lse), with the general path's results, and a non-bool
+    ``return_lse`` meets the general path's check."""
     from cpuflash._cpu.decode import StepPlan
     q, k, v = rands((1, 4, 1, 64), (1, 2, 100, 64), (1, 2, 100, 64))
     kv = cpuflash.KVCache(1, 1, 2, 128, 64)
@@ -199,6 +201,13 @@ def test_kvcache_step_with_sinks_none_runs_from_its_plan(monkeypatch):
     monkeypatch.setattr(StepPlan, "run", lambda self, *a: runs.append(a) or original(self, *a))
     assert np.array_equal(kv.attention(0, q, causal=True, sinks=None), plain)
     assert len(runs) == 1
+    out, lse = kv.attention(0, q, causal=True, return_lse=True)
+    assert len(runs) == 2
+    general = kv.attention(0, q, causal=True, return_lse=True, scale=np.float64(0.125))
+    assert len(runs) == 2  # a numpy float scale: no plan
+    assert np.array_equal(out, general[0]) and np.array_equal(lse, general[1])
+    with pytest.raises(TypeError, match="return_lse"):
+        kv.attention(0, q, causal=True, return_lse=1)
 
 
 @pytest.mark.parametrize("per_sequence", [False, True])

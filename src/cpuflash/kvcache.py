@@ -39,7 +39,7 @@ from .api import attention_on_blocks, step_plan, with_sinks
 
 STORAGE_DTYPES = (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16),
                   np.dtype(np.int8))
-_STEP_OPTIONS = frozenset(("causal", "scale"))
+_STEP_OPTIONS = frozenset(("causal", "scale", "return_lse"))
 # A cache's step plans are kept until there are this many, then all dropped: room for every
 # layer of a deep model times the few kinds of step it runs (a plan is a list of the kernel's
 # arguments, most of them shared with the cache: about a kilobyte of its own).
@@ -52,11 +52,15 @@ def _step_key(layer, q, options):
     holds exactly what those checks looked at (``api._plain_decode``): the layer (an int),
     ``q``'s shape and dtype (a numpy array; any strides), ``causal`` (a bool) and ``scale``
     (None or a float). Exact types: ``True == 1`` and ``1.0 == 1`` would share a key, and
-    ``causal=1`` must still meet the check that refuses it."""
+    ``causal=1`` must still meet the check that refuses it. ``return_lse`` (a bool, checked
+    here as the general path would) is not in the key: a plan's step returns the lse or not
+    (``StepPlan.run``)."""
     if type(layer) is not int or type(q) is not np.ndarray or not options.keys() <= _STEP_OPTIONS:
         return None
     causal, scale = options.get("causal", False), options.get("scale")
-    if not (causal is True or causal is False) or not (scale is None or type(scale) is float):
+    return_lse = options.get("return_lse", False)
+    if not (causal is True or causal is False) or not (scale is None or type(scale) is float) \
+            or not (return_lse is False or return_lse is True):
         return None
     return layer, q.shape, q.dtype, causal, scale
 
@@ -226,27 +230,24 @@ class KVCache:
         caches are read with float32 ``q``; with a float32/float64 cache, ``q`` has the
         cache's dtype.
 
-        A decode step with no option but ``causal`` and ``scale`` makes a step plan the first
-        time its layer and kind of query (shape, dtype, ``causal``, ``scale``) comes: the
+        A decode step with no option but ``causal``, ``scale`` and ``return_lse`` makes a step
+        plan the first time its layer and kind of query (shape, dtype, ``causal``, ``scale``)
+        comes: the
         plain decode path's checks (``api.step_plan``) build the kernel's arguments once, and
         every step of that kind runs from them (``decode.StepPlan``): the same kernel and
         bits, without the checks' Python. Calls that path does not take meet the general
         checks, as before.
 
         ``sinks`` (as ``cpuflash.attention``'s) are folded into the step's results after its
-        kernel, so steps with them run from plans too."""
-        sinks = options.pop("sinks", None)  # sinks=None: a plain step, from its plan
-        if sinks is not None:
-            if type(q) is not np.ndarray or options.get("device") is not None:
-                options["sinks"] = sinks  # the general path folds them (on the GPU there)
-            else:
+        kernel, so steps with them run from plans too (the step asked for its lse)."""
+        if "sinks" in options:  # a dict lookup: a plain step pays nothing more
+            sinks = options.pop("sinks")  # None: a plain step, from its plan
+            if sinks is not None and type(q) is np.ndarray and options.get("device") is None:
                 return_lse = options.pop("return_lse", False)
-                return with_sinks(q, sinks, return_lse,
-                                  lambda: self._step(layer, q, options, True))
-        return self._step(layer, q, options, False)
-
-    def _step(self, layer, q, options, with_lse):
-        """``attention``'s call without sinks; ``with_lse``: it returns ``(out, lse)``."""
+                return with_sinks(q, sinks, return_lse, lambda: self.attention(
+                    layer, q, return_lse=True, **options))
+            if sinks is not None:
+                options["sinks"] = sinks  # the general path folds them (on the GPU there)
         key = _step_key(layer, q, options)
         plan = self._plans.get(key) if key is not None else False  # None: a new kind of call
         if plan is None:
@@ -254,9 +255,7 @@ class KVCache:
         if plan:
             n = int(self.lengths[layer])
             if 0 < n <= self.max_len:
-                return plan.run(q, n, with_lse)
-        if with_lse:
-            options = {**options, "return_lse": True}
+                return plan.run(q, n, options.get("return_lse", False))
         layer = self._layer(layer)
         n = self._length(layer)
         if self.k_scale is not None:
