@@ -59,7 +59,7 @@ def main(argv=None):
     sinks = rng.standard_normal(8).astype(np.float32)
     t = alternate({"without": lambda: cpuflash.attention(q, k, v),
                    "with": lambda: cpuflash.attention(q, k, v, sinks=sinks)},
-                  max(1, a.rounds // 40))
+                  max(1, a.rounds // 8))
     report("forward H=8 N=2048 D=64", t)
 
 
