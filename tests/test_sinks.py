@@ -97,8 +97,9 @@ def test_sinks_dtypes(dtype):
         check_with_sinks(q, k, v, rand(out.shape, dtype, 9), sinks, causal=True)
 
 
-def test_a_sink_of_minus_inf_is_none_bit_for_bit():
-    q, k, v, dout = rands((2, 4, 33, 16), (2, 2, 50, 16), (2, 2, 50, 16), (2, 4, 33, 16))
+@pytest.mark.parametrize("n_q", [33, 3])  # the tiled kernel's fold; the decode path's merge
+def test_a_sink_of_minus_inf_is_none_bit_for_bit(n_q):
+    q, k, v, dout = rands((2, 4, n_q, 16), (2, 2, 50, 16), (2, 2, 50, 16), (2, 4, n_q, 16))
     none = np.full(4, -np.inf, np.float32)
     out, lse = cpuflash.attention(q, k, v, causal=True, return_lse=True)
     out_s, lse_s = cpuflash.attention(q, k, v, causal=True, return_lse=True, sinks=none)
@@ -184,6 +185,39 @@ def test_sinks_on_the_decode_path_and_kvcache(cache):
         np.testing.assert_allclose(step_lse, ref_lse, rtol=2e-5, atol=2e-5)
         assert np.array_equal(step, plans[0][0]) and np.array_equal(step_lse, plans[0][1])
     assert np.array_equal(kv.attention(0, q, causal=True, sinks=sinks), plans[0][0])
+
+
+def test_the_decode_path_merges_sinks_in_its_kernel(monkeypatch):
+    """Decode calls (``Nq <= 16``) take the sinks into the merge of their splits, with no fold
+    after the kernel: per batch and head, -inf among them, rows that see no key (output 0,
+    ``lse`` the sink exactly), long keys in several splits; ``attention``, a KVCache step plan
+    and its general path alike, against the reference."""
+    from cpuflash._cpu import forward
+
+    def no_fold(*args):
+        raise AssertionError("folded after the kernel")
+    monkeypatch.setattr(forward, "fold_rows", no_fold)
+    q, k, v = rands((3, 4, 2, 64), (3, 2, 3000, 64), (3, 2, 3000, 64))
+    sinks = np.array([[0.5, -np.inf, 2.0, -1.0], [3.0, 1.0, -np.inf, 0.0],
+                      [-2.0, 4.0, 0.25, -np.inf]])
+    kv_lens = np.array([0, 1, 2999])
+    ref, ref_lse = reference.attention(q, k, v, sinks=sinks, kv_lens=kv_lens, causal=True,
+                                       return_lse=True)
+    out, lse = cpuflash.attention(q, k, v, sinks=sinks, kv_lens=kv_lens, causal=True,
+                                  return_lse=True)
+    np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(lse, ref_lse, rtol=2e-5, atol=2e-5)
+    assert np.all(out[0] == 0) and np.array_equal(lse[0], np.repeat(
+        sinks[0].astype(np.float32)[:, None], 2, axis=1))
+    kv = cpuflash.KVCache(1, 3, 2, 3072, 64)
+    kv.append(0, k, v)
+    full = reference.attention(q, k, v, sinks=sinks, causal=True)
+    steps = [kv.attention(0, q, causal=True, sinks=sinks),  # new plan
+             kv.attention(0, q, causal=True, sinks=sinks),  # from it
+             kv.attention(0, q, causal=True, sinks=sinks, scale=np.float64(0.125))]  # general
+    for step in steps:
+        np.testing.assert_allclose(step, full, rtol=2e-5, atol=2e-5)
+        assert np.array_equal(step, steps[0])
 
 
 def test_kvcache_step_with_sinks_none_runs_from_its_plan(monkeypatch):

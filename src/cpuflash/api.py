@@ -44,7 +44,8 @@ def attention(q, k, v, *, causal=False, scale=None, mask=None, window=None, kv_l
     sinks : float array (Hq,) or (B, Hq): attention sinks (gpt-oss), one logit a query head
         that joins each row's softmax with no value: ``p_j = e^(s_j) / (e^c + sum e^(s_k))``.
         Not scaled, capped, biased or masked; ``-inf`` for a head without one. ``lse`` then
-        includes it. Folded in from ``lse`` after the kernel (``cpuflash/sinks.py``).
+        includes it. The decode path merges them with its splits; elsewhere they are folded
+        in from ``lse`` after the kernel (``cpuflash/sinks.py``).
     return_lse : bool. Also return ``lse`` (B, Hq, Nq): natural-log log-sum-exp of each row's
         scores, float32 (float64 for float64 input); ``-inf`` for a row that sees no key.
     out : ndarray of the output's shape and dtype, written in place and returned.
@@ -78,19 +79,7 @@ def attention(q, k, v, *, causal=False, scale=None, mask=None, window=None, kv_l
                       out=out, k_scale=k_scale, v_scale=v_scale, device=device)
 
 
-def with_sinks(q, sinks, return_lse, run):
-    """A CPU forward call with ``sinks`` (``_attention``'s, ``KVCache.attention``'s): they are
-    checked against ``q`` first, then ``run()`` (the call without them, returning ``(out,
-    lse)``), then folded into its results (``sinks.fold``)."""
-    return_lse = _checks.flag("return_lse", return_lse)
-    logits = _sink_logits(q, sinks)
-    out, lse = run()
-    out4 = _checks.as_4d(out)
-    lse = _sinks.fold(out4, lse.reshape(out4.shape[:3]), logits[:, :, None]).reshape(lse.shape)
-    return (out, lse) if return_lse else out
-
-
-def _sink_logits(q, sinks):
+def sink_logits(q, sinks):
     """``sinks`` checked against the numpy ``q`` (``sinks.check``): float64 ``(B or 1, Hq)``."""
     return _sinks.check_for_queries(sinks, _checks.array("q", q).shape)
 
@@ -149,12 +138,7 @@ def _attention(q, k, v, kv_blocks, *, causal=False, scale=None, mask=None, windo
             alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p, seed=seed,
             return_lse=return_lse, out=out, device=device, k_scale=k_scale, v_scale=v_scale,
             sinks=sinks)
-    if sinks is not None:
-        return with_sinks(q, sinks, return_lse, lambda: _attention(
-            q, k, v, kv_blocks, causal=causal, scale=scale, mask=mask, window=window,
-            kv_lens=kv_lens, alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p,
-            seed=seed, return_lse=True, out=out, k_scale=k_scale, v_scale=v_scale,
-            device=device))
+    logits = None if sinks is None else sink_logits(q, sinks)
     call = _prepare(q, k, v, causal, scale, mask, window, kv_lens, alibi_slopes, softcap,
                     dropout_p, seed, k_scale, v_scale)
     out_shape = q.shape[:-1] + (call.dv,)
@@ -167,7 +151,7 @@ def _attention(q, k, v, kv_blocks, *, causal=False, scale=None, mask=None, windo
                                     else (q4, kv_blocks.k, kv_blocks.v))))
     o4, lse = run_forward(q4, k4, v4, call.scale, call.band, call.mods, call.mask, call.drop,
                           config.PORTABLE, out=_checks.as_4d(out) if direct else None,
-                          kv_scales=call.kv_scales, kv_blocks=kv_blocks)
+                          kv_scales=call.kv_scales, kv_blocks=kv_blocks, sinks=logits)
 
     result = o4.reshape(out_shape)
     if out is not None and not direct:
@@ -383,7 +367,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, mas
     ``(dq, dk, dv, dsinks)``: ``dsinks`` shaped like ``sinks``, in ``lse``'s dtype.
     """
     if sinks is not None and not _on_cuda(q, device):
-        logits = _sink_logits(q, sinks)
+        logits = sink_logits(q, sinks)
         grads = attention_backward(
             dout, q, k, v, out, lse, causal=causal, scale=scale, mask=mask, window=window,
             kv_lens=kv_lens, alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p,

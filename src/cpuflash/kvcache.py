@@ -35,7 +35,7 @@ from ._cpu.decode import (KEY_BLOCK, arrays_of_blocks, key_panel_width, layer_bl
                           value_panel_width)
 from ._cpu.pack import aligned, on_line
 from ._cpu.quantize import quantize_rows
-from .api import attention_on_blocks, step_plan, with_sinks
+from .api import attention_on_blocks, sink_logits, step_plan
 
 STORAGE_DTYPES = (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16),
                   np.dtype(np.int8))
@@ -238,16 +238,9 @@ class KVCache:
         bits, without the checks' Python. Calls that path does not take meet the general
         checks, as before.
 
-        ``sinks`` (as ``cpuflash.attention``'s) are folded into the step's results after its
-        kernel, so steps with them run from plans too (the step asked for its lse)."""
-        if "sinks" in options:  # a dict lookup: a plain step pays nothing more
-            sinks = options.pop("sinks")  # None: a plain step, from its plan
-            if sinks is not None and type(q) is np.ndarray and options.get("device") is None:
-                return_lse = options.pop("return_lse", False)
-                return with_sinks(q, sinks, return_lse, lambda: self.attention(
-                    layer, q, return_lse=True, **options))
-            if sinks is not None:
-                options["sinks"] = sinks  # the general path folds them (on the GPU there)
+        ``sinks`` (as ``cpuflash.attention``'s) are checked, then passed to the step's kernel,
+        so steps with them run from plans too (``StepPlan.run``)."""
+        sinks = options.pop("sinks") if "sinks" in options else None  # a plain step: one lookup
         key = _step_key(layer, q, options)
         plan = self._plans.get(key) if key is not None else False  # None: a new kind of call
         if plan is None:
@@ -255,7 +248,12 @@ class KVCache:
         if plan:
             n = int(self.lengths[layer])
             if 0 < n <= self.max_len:
-                return plan.run(q, n, options.get("return_lse", False))
+                return_lse = options.get("return_lse", False)
+                if sinks is None:
+                    return plan.run(q, n, return_lse)
+                return plan.run(q, n, return_lse, sink_logits(q, sinks))
+        if sinks is not None:
+            options["sinks"] = sinks
         layer = self._layer(layer)
         n = self._length(layer)
         if self.k_scale is not None:

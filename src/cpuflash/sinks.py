@@ -6,12 +6,14 @@ With ``c`` the sink of the row's head, its probabilities become ``p_j = e^(s_j -
     lse' = log(e^lse + e^c) = logaddexp(lse, c),
 
 where ``lse`` is the log-sum-exp of the row's own scores. That is the attention without a sink
-times one factor a row, and the kernels need not know of it:
+times one factor a row, and the tiled kernels need not know of it:
 
     out' = out * e^(lse - lse'),
 
 folded in after the kernel from the ``lse`` it returns (in float64, rounded once into ``out``;
-one pass over the rows, ``_cpu/sinks.py``).
+one pass over the rows, ``_cpu/sinks.py``). The decode kernel, which merges its splits' partial
+sums anyway, takes the sink as one more term of that merge (``_cpu/decode.py``'s
+``combine_row``): no second pass, and no Python after a step that swept the caches.
 The backward kernels, given ``out'`` and ``lse'``, already compute the right ``dq, dk, dv``:
 they recompute ``P' = e^(S - lse')`` and use ``D = rowsum(dO * out')``, which is also
 ``rowsum(P' * dP)`` with the sink's ``dP = 0``. The sink's own gradient is the softmax's

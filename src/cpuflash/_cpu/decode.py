@@ -348,38 +348,45 @@ def transposed_scores(s, ld, q_s, rows, d, kf, k_off, k_step, k_block, k_panel, 
 
 
 @helper
-def combine_row(m_part, l_part, acc_part, out, lse, b, h, i):
-    """Merge the splits of one row in split order:
-    ``out = sum_s acc_s 2^(m_s - M) / sum_s l_s 2^(m_s - M)``."""
+def combine_row(m_part, l_part, acc_part, sinks, out, lse, b, h, i):
+    """Merge the splits of one row in split order, with the head's sink ``c`` (``sinks``, in
+    natural units; none where it is empty or -inf) as one more term of the sum:
+    ``out = sum_s acc_s 2^(m_s - M) / (2^(c' - M) + sum_s l_s 2^(m_s - M))``, ``c' = c log2(e)``
+    and ``M`` the largest of ``c'`` and the ``m_s``, so no term exceeds 1. Without a sink the
+    first term is ``2^-inf = 0``: the same sum, bit for bit."""
     n_s = m_part.shape[0]
     dv = out.shape[3]
     m = -np.inf
     for sp in range(n_s):
         m = max(m, m_part[sp, b, h, i])
-    if m == -np.inf:  # the row sees no key
+    sink = -np.inf
+    if sinks.shape[1] > 0:
+        sink = sinks[b if sinks.shape[0] > 1 else 0, h]
+    if m == -np.inf:  # the row sees no key: output 0; lse the sink's own logit (or -inf)
         for c in range(dv):
             out[b, h, i, c] = 0.0
-        lse[b, h, i] = -np.inf
+        lse[b, h, i] = sink
         return
-    total = 0.0
+    top = max(m, sink * LOG2_E)
+    total = np.exp2(sink * LOG2_E - top)  # the sink's term: 0 for none
     for c in range(dv):
         out[b, h, i, c] = 0.0
     for sp in range(n_s):
-        w = np.exp2(m_part[sp, b, h, i] - m)
+        w = np.exp2(m_part[sp, b, h, i] - top)
         total += w * l_part[sp, b, h, i]
         for c in range(dv):
             out[b, h, i, c] += w * acc_part[sp, b, h, i, c]
     for c in range(dv):
         out[b, h, i, c] /= total
-    lse[b, h, i] = (m + np.log2(total)) * LN2
+    lse[b, h, i] = (top + np.log2(total)) * LN2
 
 
-@kernel(strided=("q", "k", "v", "k_scale_4", "v_scale_4", "mask_bools", "mask_adds"),
+@kernel(strided=("q", "k", "v", "k_scale_4", "v_scale_4", "mask_bools", "mask_adds", "sinks"),
         read_only=("kv_lens", "slopes2"))
 def decode(q, k, k_strides, k_block, k_panel, k_storage, prefetch, v, v_strides, v_block,
            v_panel, k_scale_4, ks_strides, v_scale_4, vs_strides, n_hkv, n_k, d, dv, n_splits,
            chunk, scale2, left, right, kv_lens, softcap2, slopes2, mask_bools, mask_adds,
-           mask_is_bool, mask_given, drop_below, inv_keep, seed, out, lse, serial_merge):
+           mask_is_bool, mask_given, drop_below, inv_keep, seed, sinks, out, lse, serial_merge):
     """q: (B, Hq, Nq, D) any strides, compute dtype. k, v: 4-D arrays in their storage type
     (the compute dtype, float16 bits as uint16, or int8), read through 1-D views ``kf``,
     ``vf`` from their first elements (``span_of``: made here, not by a Python call per step).
@@ -408,6 +415,8 @@ def decode(q, k, k_strides, k_block, k_panel, k_storage, prefetch, v, v_strides,
     ``causal``) are never read, nor values before the first; a window's first chunk starts at
     a multiple of CHUNK, so up to CHUNK - 1 keys before the band are read, their scores
     masked.
+    sinks: float64 (B or 1, Hq), attention sinks' logits (``cpuflash/sinks.py``), or empty
+    (``NO_SINKS``): they join the merge as one more term.
     Each split leaves its m, l (``m_part``, ``l_part``: (n_splits, B, Hq, Nq), made here) and
     its unnormalized output (``acc_part``, (..., Dv)); then they are merged into out (B, Hq,
     Nq, Dv, C-contiguous, the compute dtype) and lse (B, Hq, Nq) (``combine_row``), in this
@@ -574,11 +583,11 @@ def decode(q, k, k_strides, k_block, k_panel, k_storage, prefetch, v, v_strides,
     if serial_merge:  # small merges: waking the pool would cost more than the work
         for row in range(n_rows):
             b, h, i = unravel(row, n_hq, n_q)
-            combine_row(m_part, l_part, acc_part, out, lse, b, h, i)
+            combine_row(m_part, l_part, acc_part, sinks, out, lse, b, h, i)
     else:
         for row in prange(n_rows):
             b, h, i = unravel(row, n_hq, n_q)
-            combine_row(m_part, l_part, acc_part, out, lse, b, h, i)
+            combine_row(m_part, l_part, acc_part, sinks, out, lse, b, h, i)
 
 
 def merges_serially(n_splits, out_size):
@@ -712,7 +721,7 @@ def values_of_blocks(v_blocks, n_k):
 
 
 def run_decode(q, k, v, scale, band, mods, user_mask, drop, out=None, kv_scales=None,
-               lse=None, kv_blocks=None):
+               lse=None, kv_blocks=None, sinks=None):
     """The decode path for 4-D arrays, or None where it does not apply (``Nq`` large, or K or V
     rows not unit-stride): the caller then takes the tiled path. ``q`` is in the compute dtype;
     ``k``, ``v`` in it too, or a float16 cache (float32 compute), or int8 with ``kv_scales =
@@ -720,9 +729,10 @@ def run_decode(q, k, v, scale, band, mods, user_mask, drop, out=None, kv_scales=
     ``(left, right, kv_lens)`` of masking.py. ``out``, ``lse``: written in place if given.
     ``kv_blocks``: a layer of KVCache's ``Blocks``, read in their place where this host reads
     their panels (else None is returned); ``k`` and ``v`` then give only their shapes and
-    dtypes. Returns ``(out, lse)``."""
+    dtypes. ``sinks``: float64 (B or 1, Hq) sink logits merged into the rows, or None.
+    Returns ``(out, lse)``."""
     args = decode_args(q, k, v, scale, band, mods, user_mask, drop, out, kv_scales, lse,
-                       kv_blocks)
+                       kv_blocks, sinks)
     if args is None:
         return None
     decode(*args)
@@ -730,7 +740,7 @@ def run_decode(q, k, v, scale, band, mods, user_mask, drop, out=None, kv_scales=
 
 
 def decode_args(q, k, v, scale, band, mods, user_mask, drop, out=None, kv_scales=None,
-                lse=None, kv_blocks=None):
+                lse=None, kv_blocks=None, sinks=None):
     """The decode kernel's argument list for ``run_decode``'s call, or None where the decode
     path does not apply.
 
@@ -772,8 +782,8 @@ def decode_args(q, k, v, scale, band, mods, user_mask, drop, out=None, kv_scales
     return [q, k_store, k_steps, k_block, k_panel, k_storage, prefetch, v_store, v_steps,
             v_block, v_panel, k_scale, ks_strides, v_scale, vs_strides, n_hkv, n_k, d, dv,
             n_splits, chunk, scale * LOG2_E, left, right, kv_lens, softcap2, slopes2,
-            *user_mask.kernel_args(), user_mask.given, drop[0], drop[2], drop[1], out, lse,
-            merges_serially(n_splits, out.size)]
+            *user_mask.kernel_args(), user_mask.given, drop[0], drop[2], drop[1],
+            NO_SINKS if sinks is None else sinks, out, lse, merges_serially(n_splits, out.size)]
 
 
 # The decode kernel's arguments by name: their places in ``decode_args``' list.
@@ -782,7 +792,9 @@ ARG = {name: i for i, name in enumerate(inspect.signature(decode.py_func).parame
 PER_STEP = ("q", "n_k", "n_splits", "kv_lens", "out", "serial_merge")
 PER_STEP_AT = tuple(ARG[name] for name in PER_STEP)
 K_SCALE_AT, V_SCALE_AT = ARG["k_scale_4"], ARG["v_scale_4"]
-LSE_AT = ARG["lse"]
+LSE_AT, SINKS_AT = ARG["lse"], ARG["sinks"]
+# The decode kernel's ``sinks`` where a call has none.
+NO_SINKS = np.empty((0, 0), dtype=np.float64)
 
 
 class StepPlan:
@@ -793,7 +805,8 @@ class StepPlan:
     that length) the way ``decode_args`` makes it. The same kernel on the same arguments as
     the plain path: the same bits. The log-sum-exp goes to one array the plan keeps (two
     threads' steps of one plan at once both write it; nothing reads it), or, for a step that
-    returns it (``run(..., with_lse=True)``: sinks are folded in from it), to one of its own.
+    returns it (``run(..., with_lse=True)``), to one of its own. A step with sinks passes
+    them for that step alone (``run(..., sinks=...)``).
 
     Why: a step from DRAM runs right after the previous layer's kernel has swept every cache,
     and there the Python of the plain decode path (``api._plain_decode``: checks, stand-ins,
@@ -819,10 +832,11 @@ class StepPlan:
             self.args[at] = None  # not kept: the step's output, for one, is the caller's
         self.scales = scales
 
-    def run(self, q, n_k, with_lse=False):
+    def run(self, q, n_k, with_lse=False, sinks=None):
         """The step's output for ``q`` (of the plan's shape and dtype) over the layer's first
         ``n_k`` keys (``n_k >= 1``); ``with_lse``: ``(out, lse)``, the log-sum-exp in an array
-        of the step's own."""
+        of the step's own. ``sinks``: the step's sink logits, float64 (B or 1, Hq), checked
+        (``sinks.check``), or None."""
         n_splits = split_count(self.n_b, self.n_hkv, n_k)
         out = np.empty(self.out_shape, dtype=self.dtype)
         args = self.args.copy()
@@ -831,6 +845,8 @@ class StepPlan:
         for at, value in zip(PER_STEP_AT, (q, n_k, n_splits, key_lengths(None, self.n_b, n_k),
                                            out, merges_serially(n_splits, out.size))):
             args[at] = value
+        if sinks is not None:
+            args[SINKS_AT] = sinks
         if self.scales is not None:
             args[K_SCALE_AT] = _scales_4d(self.scales[0][:, :, :n_k])[0]
             args[V_SCALE_AT] = _scales_4d(self.scales[1][:, :, :n_k])[0]

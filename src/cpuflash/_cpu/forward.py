@@ -41,6 +41,7 @@ from .tasks import new_claims, next_task, num_threads, run_shared
 from .decode import MAX_NQ, arrays_of_blocks, run_decode
 from ..masks import UserMask
 from .pack import empty, output, packed_kv, packed_varlen, scratch
+from .sinks import fold_rows
 from .masking import (HIDDEN, MIXED, apply_user_mask, band_runs, mask_tile, panel_runs,
                       tile_key_range, tile_needs_mask)
 from .dropout import dropout_row
@@ -245,7 +246,7 @@ forward_portable = portable_twin(forward)
 
 
 def run_forward(q, k, v, scale, band, mods, user_mask, drop, portable, out=None,
-                kv_scales=None, kv_blocks=None):
+                kv_scales=None, kv_blocks=None, sinks=None):
     """Pack K/V and run the kernel on 4-D arrays of one compute dtype (float32 or float64).
 
     ``k``, ``v`` may also be a K/V cache in a storage type (float16, or int8 with
@@ -258,24 +259,40 @@ def run_forward(q, k, v, scale, band, mods, user_mask, drop, portable, out=None,
     ``out``, if given, must be such an array; it is written in place. ``band``: the
     ``(left, right, kv_lens)`` of masking.py; ``mods``: ``(softcap, alibi_slopes (B, Hq))``
     in natural units (scores.py); ``user_mask``: a ``masks.UserMask``; ``drop``:
-    ``(drop_below, seed, inv_keep)`` (``masks.dropout``).
+    ``(drop_below, seed, inv_keep)`` (``masks.dropout``). ``sinks``: attention sinks' logits,
+    float64 (B or 1, Hq) (``cpuflash/sinks.py``), or None: the decode path merges them with its
+    splits (``decode.combine_row``); after the tiled kernel they are folded into its results
+    (``sinks.fold_rows``).
     """
+    out, lse, merged = _run_forward(q, k, v, scale, band, mods, user_mask, drop, portable, out,
+                                    kv_scales, kv_blocks, sinks)
+    if sinks is None or merged:
+        return out, lse
+    lse_new = np.empty_like(lse)
+    fold_rows(out, lse, sinks[:, :, None], lse_new)
+    return out, lse_new
+
+
+def _run_forward(q, k, v, scale, band, mods, user_mask, drop, portable, out, kv_scales,
+                 kv_blocks, sinks):
+    """``run_forward`` up to the sinks' fold: ``(out, lse, merged)``, ``merged`` whether the
+    sinks are in them already (the decode path's)."""
     n_b, n_hq, n_q, d = q.shape
     n_k, dv = v.shape[2], v.shape[3]
     if out is None:
         out = output((n_b, n_hq, n_q, dv), q.dtype)  # very large: plain pages (pack.empty)
     lse = np.empty((n_b, n_hq, n_q), dtype=q.dtype)
     if out.size == 0:
-        return out, lse
+        return out, lse, False
     if n_k == 0:  # no key at all: every row sees nothing
         out[...] = 0.0
         lse[...] = -np.inf
-        return out, lse
+        return out, lse, False
     if n_q <= MAX_NQ and not portable:  # the decode path's calls (asking costs a microsecond)
         decoded = run_decode(q, k, v, scale, band, mods, user_mask, drop, out, kv_scales, lse,
-                             kv_blocks)
+                             kv_blocks, sinks)
         if decoded is not None:
-            return decoded
+            return (*decoded, True)
     if kv_blocks is not None:
         k, v = arrays_of_blocks(kv_blocks, n_k)
     left, right, kv_lens = band
@@ -296,7 +313,7 @@ def run_forward(q, k, v, scale, band, mods, user_mask, drop, portable, out=None,
                 user_mask.tile_states(block_q, block_k), drop[0], drop[2],
                 np.full(n_b, drop[1]) if drop[0] else NO_SEEDS, out.reshape(-1),
                 (n_hq * n_q * dv, n_q * dv, dv, dv), lse)
-    return out, lse
+    return out, lse, False
 
 
 def run_varlen(q, k, v, cu_q, cu_k, scale, band, mods, drop, portable):

@@ -1,9 +1,10 @@
-"""The attention sinks' fold, one pass over the rows (``cpuflash/sinks.py`` has the math).
+"""The attention sinks' fold, one pass over the rows (``cpuflash/sinks.py`` has the math), after
+the tiled kernels (the decode kernel merges the sinks itself).
 
-A decode step runs right after its kernel has swept K/V through every cache, where each
-numpy call on a few rows costs microseconds: the fold as a dozen numpy calls (logaddexp, exp,
-the -inf cases) added 31 us to a 24 us step (Hq=8, Nk=64) and 100-150 us to steps from a
-long cache. Here it is one call.
+Each numpy call on a few rows costs microseconds, more right after a kernel has swept K/V
+through every cache: the fold as a dozen numpy calls (logaddexp, exp, the -inf cases) added
+31 us to a 24 us decode step (Hq=8, Nk=64) and 100-150 us to steps from a long cache (stop
+57, before decode steps merged their sinks in the kernel). Here it is one call.
 """
 import numpy as np
 
