@@ -123,10 +123,11 @@ def test_a_sink_is_a_merged_part_with_output_zero():
     np.testing.assert_allclose(lse_s, merged_lse, rtol=1e-13)
 
 
-def test_rows_that_see_no_key_give_the_sink_alone():
-    q, k, v, dout = rands((2, 2, 12, 8), (2, 2, 20, 8), (2, 2, 20, 8), (2, 2, 12, 8))
+@pytest.mark.parametrize("n_q", [12, 20])  # the decode path; the tiled kernel
+def test_rows_that_see_no_key_give_the_sink_alone(n_q):
+    q, k, v, dout = rands((2, 2, n_q, 8), (2, 2, 20, 8), (2, 2, 20, 8), (2, 2, n_q, 8))
     sinks = np.array([1.5, -np.inf], np.float32)
-    opts = dict(causal=True, kv_lens=np.array([0, 6]))  # batch 0: no key; batch 1: rows 0-5
+    opts = dict(causal=True, kv_lens=np.array([0, 6]))  # no key: batch 0; rows < Nq - 6 of 1
     out, lse, (dq, dk, dv, dsinks) = check_with_sinks(q, k, v, dout, sinks, **opts)
     assert np.all(out[0] == 0) and np.all(lse[0, 0] == np.float32(1.5))
     assert np.all(lse[0, 1] == -np.inf)  # no key and no sink
@@ -188,15 +189,15 @@ def test_sinks_on_the_decode_path_and_kvcache(cache):
 
 
 def test_the_decode_path_merges_sinks_in_its_kernel(monkeypatch):
-    """Decode calls (``Nq <= 16``) take the sinks into the merge of their splits, with no fold
-    after the kernel: per batch and head, -inf among them, rows that see no key (output 0,
-    ``lse`` the sink exactly), long keys in several splits; ``attention``, a KVCache step plan
-    and its general path alike, against the reference."""
-    from cpuflash._cpu import forward
-
-    def no_fold(*args):
-        raise AssertionError("folded after the kernel")
-    monkeypatch.setattr(forward, "fold_rows", no_fold)
+    """Decode calls (``Nq <= 16``) take the sinks into the merge of their splits: per batch and
+    head, -inf among them, rows that see no key (output 0, ``lse`` the sink exactly), long keys
+    in several splits; ``attention``, a KVCache step plan and its general path alike, against
+    the reference."""
+    from cpuflash._cpu import decode
+    calls = []
+    original = decode.decode.call_built
+    monkeypatch.setattr(decode.decode, "call_built", lambda args: calls.append(1) or
+                        original(args))
     q, k, v = rands((3, 4, 2, 64), (3, 2, 3000, 64), (3, 2, 3000, 64))
     sinks = np.array([[0.5, -np.inf, 2.0, -1.0], [3.0, 1.0, -np.inf, 0.0],
                       [-2.0, 4.0, 0.25, -np.inf]])
@@ -218,6 +219,24 @@ def test_the_decode_path_merges_sinks_in_its_kernel(monkeypatch):
     for step in steps:
         np.testing.assert_allclose(step, full, rtol=2e-5, atol=2e-5)
         assert np.array_equal(step, steps[0])
+    assert len(calls) == 4  # each call took the decode path
+
+
+@pytest.mark.parametrize("n_q", [40, 2])  # the tiled kernel; the decode path
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_sinks_far_above_and_below_the_scores(n_q, dtype):
+    """A sink 1000 above a row's scores takes all its weight (``e^1000`` overflows float64: the
+    kernels keep the larger of the two out), one 1000 below none; and in between."""
+    q, k, v = rands((1, 4, n_q, 16), (1, 4, 50, 16), (1, 4, 50, 16), dtype=dtype)
+    sinks = np.array([1000.0, -1000.0, 30.0, -30.0])
+    out, lse = cpuflash.attention(q, k, v, sinks=sinks, return_lse=True)
+    ref, ref_lse = reference.attention(q, k, v, sinks=sinks, return_lse=True)
+    tol = 1e-12 if dtype == np.float64 else 2e-5
+    np.testing.assert_allclose(out, ref, rtol=tol, atol=tol)
+    np.testing.assert_allclose(lse, ref_lse, rtol=tol, atol=tol)
+    assert np.all(np.abs(out[0, 0]) <= 1e-30) and np.all(lse[0, 0] == 1000.0)
+    plain = cpuflash.attention(q[:, 1:2], k[:, 1:2], v[:, 1:2])
+    np.testing.assert_allclose(out[:, 1:2], plain, rtol=tol, atol=tol)
 
 
 def test_kvcache_step_with_sinks_none_runs_from_its_plan(monkeypatch):

@@ -10,8 +10,8 @@ one ``attention_backward`` call per sequence, on ``(H, n, D)`` views of the pack
 
 Per sequence, ``causal``/``window`` align to that sequence's bottom-right corner, ``alibi_slopes``
 may be ``(Hq,)`` or ``(B, Hq)``, and dropout uses the seed ``seed * 1000003 + b`` (mod 2^63), so
-sequences get independent masks. ``sinks`` may be ``(Hq,)`` or ``(B, Hq)`` too, folded in after
-the kernel as ``cpuflash.attention``'s (``sinks.py``).
+sequences get independent masks. ``sinks`` may be ``(Hq,)`` or ``(B, Hq)`` too, added to each
+row's sum by the kernel as ``cpuflash.attention``'s (``sinks.py``).
 """
 import numpy as np
 
@@ -69,7 +69,7 @@ def _heads_first(x):
 
 def _sink_rows(sinks, seqs, n_hq):
     """``sinks`` (``sinks.check``: ``(Hq,)`` or one row a sequence) as each packed query's
-    logits, broadcastable to (total_q, Hq); None without sinks."""
+    logits, broadcastable to (total_q, Hq), for their gradient; None without sinks."""
     if sinks is None:
         return None
     logits = _sinks.check(sinks, len(seqs), n_hq)
@@ -96,17 +96,16 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale
     scale = _checks.scale(scale, d)
     left, right, _ = masks.band(causal, window, None, 1, 0)
     mods = masks.modifiers(softcap, alibi_slopes, n_seq, q.shape[1])
-    sink_rows = _sink_rows(sinks, seqs, q.shape[1])
+    logits = None if sinks is None else _sinks.check(sinks, n_seq, q.shape[1])
     drop_below, seed, inv_keep = masks.dropout(dropout_p, seed)
     seeds = np.array([_sequence_seed(seed, b) if drop_below else 0 for b in range(n_seq)],
                      dtype=np.int64)
     compute = np.float64 if q.dtype == np.float64 else np.float32
     out, lse = run_varlen(*(x if x.dtype == compute else x.astype(compute) for x in (q, k, v)),
                           cu_seqlens_q.astype(np.int64), cu_seqlens_k.astype(np.int64), scale,
-                          (left, right), mods, (drop_below, seeds, inv_keep), config.PORTABLE)
+                          (left, right), mods, (drop_below, seeds, inv_keep), config.PORTABLE,
+                          logits)
     out = out.astype(q.dtype, copy=False)
-    if sink_rows is not None:
-        lse = np.ascontiguousarray(_sinks.fold(out[None], lse.T[None], sink_rows[None])[0].T)
     return (out, lse) if return_lse else out
 
 

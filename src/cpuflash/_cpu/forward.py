@@ -38,10 +38,9 @@ from . import sequences, simd
 from ._jit import helper, kernel, portable_twin
 from .sequences import BLOCK_Q, N_Q, N_QB, Q_BATCH, Q_ROW0, TASK0, TILE0, TILES, find_task
 from .tasks import new_claims, next_task, num_threads, run_shared
-from .decode import MAX_NQ, arrays_of_blocks, run_decode
+from .decode import MAX_NQ, NO_SINKS, arrays_of_blocks, run_decode
 from ..masks import UserMask
 from .pack import empty, output, packed_kv, packed_varlen, scratch
-from .sinks import fold_rows
 from .masking import (HIDDEN, MIXED, apply_user_mask, band_runs, mask_tile, panel_runs,
                       tile_key_range, tile_needs_mask)
 from .dropout import dropout_row
@@ -88,11 +87,26 @@ def band_scores(s, ld_s, q_s, d, kt_flat, k_off, runs, n_runs, row_vmax, tile_ma
                              need, d, row_vmax, tile_max[r0:], portable)
 
 
-@kernel(strided=("q", "mask_bools", "mask_adds", "tile_state"),
+@helper
+def finish_row(m, l, sink):
+    """A row's ``lse`` and the sum its accumulator is divided by, from its running max ``m``
+    and sum ``l > 0`` and its sink's logit (-inf: none), in float64: the sink adds
+    ``e^(sink - m)`` to the sum (``out = acc / (l + e^(sink - m))``; where that overflows, the
+    output is 0 to well within the compute dtype's precision, as it should be), and ``lse =
+    M + log(l e^(m - M) + e^(sink - M))`` with ``M = max(m, sink)``, which no term overflows.
+    Without a sink: ``m + log(l)`` (exactly ``m`` where ``l = 1``, a one-hot row) and ``l``."""
+    m64 = np.float64(m)
+    if sink == -np.inf:
+        return m64 + np.log(l), l
+    top = max(m64, sink)
+    return top + np.log(l * np.exp(m64 - top) + np.exp(sink - top)), l + np.exp(sink - m64)
+
+
+@kernel(strided=("q", "mask_bools", "mask_adds", "tile_state", "sinks"),
         read_only=("seqs", "kv_lens", "slopes", "seeds"))
 def forward(q, kt, vt, n_hkv, block_q, scale, left, right, seqs, kv_lens, softcap, slopes,
-            mask_bools, mask_adds, mask_is_bool, tile_state, drop_below, inv_keep, seeds, out_flat,
-            out_layout, lse, n_threads):
+            mask_bools, mask_adds, mask_is_bool, tile_state, drop_below, inv_keep, seeds, sinks,
+            out_flat, out_layout, lse, n_threads):
     """Attention forward on packed K/V, for the sequences of the table ``seqs``
     (sequences.py): one task per (sequence, head, query block), shared out by ``n_threads``
     workers (``tasks.next_task``).
@@ -106,6 +120,8 @@ def forward(q, kt, vt, n_hkv, block_q, scale, left, right, seqs, kv_lens, softca
     (masks.UserMask), by sequence.
     drop_below, inv_keep, seeds (S,): dropout (dropout.py, ``masks.dropout``); ``drop_below =
     0`` for none.
+    sinks: float64 (S or 1, Hq), attention sinks' logits (``cpuflash/sinks.py``), or empty
+    (``decode.NO_SINKS``): one more term of each row's sum, added at its end (``finish_row``).
     out_flat, out_layout: the output's buffer and ``(batch stride, head stride, row stride,
     Dv)``: element ``(b, h, row, c)`` of the output, ``c < Dv``, is ``out_flat[b * stride_b +
     h * stride_h + row * stride_row + c]``.
@@ -229,16 +245,19 @@ def forward(q, kt, vt, n_hkv, block_q, scale, left, right, seqs, kv_lens, softca
                     tile_product_rescale(acc, r0 * dv_pad, dv_pad, s, r0 * ld_s, ld_s, 1, vt_flat,
                                          v_off, 0, block_k, r1 - r0, dv_pad, min(n_valid, need),
                                          alpha_i, r0, alpha_i, 0, pv, PORTABLE)
+            sink = -np.inf  # the head's sink logit; -inf: none
+            if sinks.shape[1] > 0:
+                sink = sinks[b if sinks.shape[0] > 1 else 0, h]
             for r in range(rows):
                 at = out_row0 + r * out_layout[2]
-                if l_i[r] == 0.0:  # the row sees no key: output 0, lse -inf
+                if l_i[r] == 0.0:  # the row sees no key: output 0; lse the sink's (or -inf)
                     for c in range(dv):
                         out_flat[at + c] = 0.0
-                    lse[q_b, h, row0 + q0 + r] = -np.inf
-                else:  # a true division: one rounding, not two
-                    # in float64: exactly m where l = 1 (a one-hot row)
-                    lse[q_b, h, row0 + q0 + r] = m_i[r] + np.log(l_i[r])
-                    l_tile_sums[r] = l_i[r]  # rounded to the compute dtype, as acc
+                    lse[q_b, h, row0 + q0 + r] = sink
+                else:
+                    lse[q_b, h, row0 + q0 + r], l_tile_sums[r] = finish_row(m_i[r], l_i[r],
+                                                                            sink)
+                    # a true division: one rounding, not two
                     divide_row(out_flat, at, acc, r * dv_pad, dv, l_tile_sums[r], PORTABLE)
 
 
@@ -260,39 +279,25 @@ def run_forward(q, k, v, scale, band, mods, user_mask, drop, portable, out=None,
     ``(left, right, kv_lens)`` of masking.py; ``mods``: ``(softcap, alibi_slopes (B, Hq))``
     in natural units (scores.py); ``user_mask``: a ``masks.UserMask``; ``drop``:
     ``(drop_below, seed, inv_keep)`` (``masks.dropout``). ``sinks``: attention sinks' logits,
-    float64 (B or 1, Hq) (``cpuflash/sinks.py``), or None: the decode path merges them with its
-    splits (``decode.combine_row``); after the tiled kernel they are folded into its results
-    (``sinks.fold_rows``).
+    float64 (B or 1, Hq) (``cpuflash/sinks.py``), or None: each kernel adds them to its rows'
+    sums (``decode.combine_row``, ``finish_row``).
     """
-    out, lse, merged = _run_forward(q, k, v, scale, band, mods, user_mask, drop, portable, out,
-                                    kv_scales, kv_blocks, sinks)
-    if sinks is None or merged:
-        return out, lse
-    lse_new = np.empty_like(lse)
-    fold_rows(out, lse, sinks[:, :, None], lse_new)
-    return out, lse_new
-
-
-def _run_forward(q, k, v, scale, band, mods, user_mask, drop, portable, out, kv_scales,
-                 kv_blocks, sinks):
-    """``run_forward`` up to the sinks' fold: ``(out, lse, merged)``, ``merged`` whether the
-    sinks are in them already (the decode path's)."""
     n_b, n_hq, n_q, d = q.shape
     n_k, dv = v.shape[2], v.shape[3]
     if out is None:
         out = output((n_b, n_hq, n_q, dv), q.dtype)  # very large: plain pages (pack.empty)
     lse = np.empty((n_b, n_hq, n_q), dtype=q.dtype)
     if out.size == 0:
-        return out, lse, False
-    if n_k == 0:  # no key at all: every row sees nothing
+        return out, lse
+    if n_k == 0:  # no key at all: every row sees nothing, its lse the sink's (or -inf)
         out[...] = 0.0
-        lse[...] = -np.inf
-        return out, lse, False
+        lse[...] = -np.inf if sinks is None else sinks[:, :, None]
+        return out, lse
     if n_q <= MAX_NQ and not portable:  # the decode path's calls (asking costs a microsecond)
         decoded = run_decode(q, k, v, scale, band, mods, user_mask, drop, out, kv_scales, lse,
                              kv_blocks, sinks)
         if decoded is not None:
-            return (*decoded, True)
+            return decoded
     if kv_blocks is not None:
         k, v = arrays_of_blocks(kv_blocks, n_k)
     left, right, kv_lens = band
@@ -311,18 +316,19 @@ def _run_forward(q, k, v, scale, band, mods, user_mask, drop, portable, out, kv_
                 vt.reshape(-1, vt.shape[2]), k.shape[1], block_q, scale, left, right,
                 seqs, kv_lens, mods[0], mods[1], *user_mask.kernel_args(),
                 user_mask.tile_states(block_q, block_k), drop[0], drop[2],
-                np.full(n_b, drop[1]) if drop[0] else NO_SEEDS, out.reshape(-1),
+                np.full(n_b, drop[1]) if drop[0] else NO_SEEDS,
+                NO_SINKS if sinks is None else sinks, out.reshape(-1),
                 (n_hq * n_q * dv, n_q * dv, dv, dv), lse)
-    return out, lse, False
+    return out, lse
 
 
-def run_varlen(q, k, v, cu_q, cu_k, scale, band, mods, drop, portable):
+def run_varlen(q, k, v, cu_q, cu_k, scale, band, mods, drop, portable, sinks=None):
     """The forward pass over packed sequences in one kernel call (``cpuflash.varlen``).
 
     ``q``: (total_q, Hq, D), ``k``/``v``: (total_k, Hkv, D/Dv), any strides, of one compute
     dtype; ``cu_q``/``cu_k``: int64 offsets of the S sequences (S + 1 each). ``band``: ``(left,
     right)``; ``mods``: ``(softcap, slopes (S, Hq))``; ``drop``: ``(drop_below, seeds (S,),
-    inv_keep)``.
+    inv_keep)``; ``sinks``: float64 (S or 1, Hq) sink logits, or None.
     Returns ``out`` (total_q, Hq, Dv) and ``lse`` (Hq, total_q).
     """
     total_q, n_hq, d = q.shape
@@ -345,6 +351,6 @@ def run_varlen(q, k, v, cu_q, cu_k, scale, band, mods, drop, portable):
     run_shared(forward_portable if portable else forward, q.transpose(1, 0, 2)[None], kt, vt,
                 n_hkv, block_q, scale, band[0], band[1], seqs, k_lens.astype(np.int64),
                 mods[0], mods[1], *no_mask.kernel_args(),
-                no_mask.tile_states(block_q, block_k), drop[0], drop[2], drop[1], out.reshape(-1),
-                (0, dv, n_hq * dv, dv), lse)
+                no_mask.tile_states(block_q, block_k), drop[0], drop[2], drop[1],
+                NO_SINKS if sinks is None else sinks, out.reshape(-1), (0, dv, n_hq * dv, dv), lse)
     return out, lse.reshape(n_hq, total_q)
