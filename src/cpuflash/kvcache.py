@@ -35,7 +35,8 @@ from ._cpu.decode import (KEY_BLOCK, arrays_of_blocks, key_panel_width, layer_bl
                           value_panel_width)
 from ._cpu.pack import aligned, on_line
 from ._cpu.quantize import quantize_rows
-from .api import attention_on_blocks, sink_logits, step_plan
+from .api import attention_on_blocks, step_plan
+from .sinks import check_for_queries
 
 STORAGE_DTYPES = (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16),
                   np.dtype(np.int8))
@@ -251,7 +252,7 @@ class KVCache:
                 return_lse = options.get("return_lse", False)
                 if sinks is None:
                     return plan.run(q, n, return_lse)
-                return plan.run(q, n, return_lse, sink_logits(q, sinks))
+                return plan.run(q, n, return_lse, check_for_queries(sinks, q.shape))
         if sinks is not None:
             options["sinks"] = sinks
         layer = self._layer(layer)
