@@ -1,0 +1,118 @@
+"""This tree's cpuflash against an earlier commit's, in one process, alternating call by call:
+whether a call gives the same bits, and the median time of each, with and without attention
+sinks. The earlier package is ``git archive``d into a temporary directory as ``cpuflash_base``
+(its modules import each other relatively), with Numba caches of its own there: its first
+calls compile (a minute or two).
+
+Cases: ``KVCache.attention`` decode steps (Nq=1, D=64; Hq=8 Hkv=2 at Nk=64 and 32768, GPT-2
+small's Hq=Hkv=12 at Nk=1024) and forward calls (H=8, D=64; N=2048, causal N=2048, N=512).
+A/A spread: two identical caches differ by up to 1.5 % (stop 57). Not collected by pytest.
+
+    python bench/cpu_ab.py --base REV [--rounds 300]
+"""
+import argparse
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+import cpuflash
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+STEPS = ((8, 2, 64), (8, 2, 32768), (12, 12, 1024))  # (Hq, Hkv, Nk)
+FORWARDS = ((2048, False), (2048, True), (512, False))  # (N, causal)
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--base", required=True, help="the commit to compare against")
+    p.add_argument("--rounds", type=int, default=300,
+                   help="decode steps of each, alternating (forward calls: rounds // 8)")
+    a = p.parse_args(argv)
+    if a.rounds < 8:
+        p.error(f"--rounds must be at least 8, got {a.rounds}")
+    return a
+
+
+def import_base(rev, into):
+    """``src/cpuflash`` of commit ``rev`` imported as ``cpuflash_base`` from directory ``into``."""
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, "src/cpuflash"],
+                             check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    (pathlib.Path(into) / "src" / "cpuflash").rename(pathlib.Path(into) / "cpuflash_base")
+    sys.path.insert(0, str(into))
+    import cpuflash_base
+    return cpuflash_base
+
+
+def alternate(calls, rounds):
+    """Median seconds of each of ``calls`` (name -> function), called in turn ``rounds`` times
+    after one warm-up call each."""
+    times = {name: [] for name in calls}
+    for call in calls.values():
+        call()
+    for _ in range(rounds):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            times[name].append(time.perf_counter() - start)
+    return {name: float(np.median(t)) for name, t in times.items()}
+
+
+def options(sinks):
+    """A call's options: none, or the sinks and ``return_lse`` (to compare the lse too)."""
+    return {} if sinks is None else {"sinks": sinks, "return_lse": True}
+
+
+def same_bits(a, b):
+    a, b = (x if isinstance(x, tuple) else (x,) for x in (a, b))
+    return all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
+def compare(case, mods, call, sinks, rounds, unit, factor):
+    """One case: ``call(mod, sinks)`` for the base and this tree, without and with sinks."""
+    base, new = mods
+    plain_bits = same_bits(call(base, None), call(new, None))
+    with_base, with_new = call(base, sinks), call(new, sinks)
+    diff = max(float(np.abs(x - y).max()) for x, y in zip(with_base, with_new))
+    t = alternate({"base": lambda: call(base, None), "new": lambda: call(new, None),
+                   "base+s": lambda: call(base, sinks), "new+s": lambda: call(new, sinks)},
+                  rounds)
+    t = {name: value * factor for name, value in t.items()}
+    print(f"{case:>30} | {'yes' if plain_bits else 'NO':>4} {t['base']:9.1f} {t['new']:9.1f} "
+          f"{t['new'] / t['base']:6.3f} | {t['base+s'] - t['base']:8.1f} "
+          f"{t['new+s'] - t['new']:8.1f} {diff:9.1e}  ({unit})")
+
+
+def main(argv=None):
+    a = parse(argv)
+    rng = np.random.default_rng(0)
+    with tempfile.TemporaryDirectory() as into:
+        base = import_base(a.base, into)
+        mods = (base, cpuflash)
+        print(f"{a.base} against this tree, {cpuflash.get_num_threads()} threads; medians; "
+              "sinks: what they add, and the largest difference of out and lse between the two")
+        print(f"{'case':>30} | {'bits':>4} {'base':>9} {'new':>9} {'ratio':>6} | "
+              f"{'+s base':>8} {'+s new':>8} {'diff':>9}")
+        for n_hq, n_hkv, n_k in STEPS:
+            kv = [rng.standard_normal((1, n_hkv, n_k, 64)).astype(np.float32) for _ in range(2)]
+            caches = {}
+            for mod in mods:
+                caches[mod] = mod.KVCache(1, 1, n_hkv, n_k, 64)
+                caches[mod].append(0, *kv)
+            q = rng.standard_normal((1, n_hq, 1, 64)).astype(np.float32)
+            compare(f"step Hq={n_hq} Hkv={n_hkv} Nk={n_k}", mods,
+                    lambda mod, s: caches[mod].attention(0, q, **options(s)),
+                    rng.standard_normal(n_hq).astype(np.float32), a.rounds, "us", 1e6)
+        for n, causal in FORWARDS:
+            q, k, v = (rng.standard_normal((1, 8, n, 64)).astype(np.float32) for _ in range(3))
+            compare(f"forward N={n}{' causal' if causal else ''}", mods,
+                    lambda mod, s: mod.attention(q, k, v, causal=causal, **options(s)),
+                    rng.standard_normal(8).astype(np.float32), a.rounds // 8, "ms", 1e3)
+
+
+if __name__ == "__main__":
+    main()
