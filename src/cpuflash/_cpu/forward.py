@@ -91,15 +91,18 @@ def band_scores(s, ld_s, q_s, d, kt_flat, k_off, runs, n_runs, row_vmax, tile_ma
 def finish_row(m, l, sink):
     """A row's ``lse`` and the sum its accumulator is divided by, from its running max ``m``
     and sum ``l > 0`` and its sink's logit (-inf: none), in float64: the sink adds
-    ``e^(sink - m)`` to the sum (``out = acc / (l + e^(sink - m))``; where that overflows, the
-    output is 0 to well within the compute dtype's precision, as it should be), and ``lse =
-    M + log(l e^(m - M) + e^(sink - M))`` with ``M = max(m, sink)``, which no term overflows.
-    Without a sink: ``m + log(l)`` (exactly ``m`` where ``l = 1``, a one-hot row) and ``l``."""
+    ``e^(sink - m)`` to the sum, ``out = acc / (l + e^(sink - m))`` and ``lse = m + log(l +
+    e^(sink - m))``, one exponential a row. Where that overflows (the sink over 709 above every
+    score), the output is 0 to well within the compute dtype's precision, as it should be, and
+    ``lse = sink + log(1 + l e^(m - sink))``. Without a sink: ``m + log(l)`` (exactly ``m``
+    where ``l = 1``, a one-hot row) and ``l``."""
     m64 = np.float64(m)
     if sink == -np.inf:
         return m64 + np.log(l), l
-    top = max(m64, sink)
-    return top + np.log(l * np.exp(m64 - top) + np.exp(sink - top)), l + np.exp(sink - m64)
+    total = l + np.exp(sink - m64)
+    if total < np.inf:
+        return m64 + np.log(total), total
+    return sink + np.log1p(l * np.exp(m64 - sink)), total
 
 
 @kernel(strided=("q", "mask_bools", "mask_adds", "tile_state", "sinks"),
