@@ -10,7 +10,8 @@ times one factor a row, ``out' = out * e^(lse - lse')``; in the kernels (``_cpu/
 ``finish_row``, ``_cpu/decode.py``'s ``combine_row``) the sink is one more term of the row's
 sum of exponentials, ``l' = l + e^(c - m)`` with ``m`` the row's running max, added when the row
 ends: its output is ``acc / l'`` (one division, as without a sink) and its
-``lse' = m + log(l')``, taken with the larger of ``m`` and ``c`` out so that nothing overflows.
+``lse' = m + log(l')`` (where ``e^(c - m)`` overflows: output 0, ``lse' = c + log1p(l e^(m -
+c))``).
 The decode kernel adds it where it merges its splits. (Stop 57 folded sinks in after the
 kernels, from ``lse``: a second pass over the output, one thread, and a second rounding of a
 float16 result; 1 ms of a 31 ms forward at N=2048, and 9-64 us of Python and a numpy pass
