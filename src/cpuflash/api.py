@@ -44,8 +44,8 @@ def attention(q, k, v, *, causal=False, scale=None, mask=None, window=None, kv_l
     sinks : float array (Hq,) or (B, Hq): attention sinks (gpt-oss), one logit a query head
         that joins each row's softmax with no value: ``p_j = e^(s_j) / (e^c + sum e^(s_k))``.
         Not scaled, capped, biased or masked; ``-inf`` for a head without one. ``lse`` then
-        includes it. The decode path merges them with its splits; elsewhere they are folded
-        in from ``lse`` after the kernel (``cpuflash/sinks.py``).
+        includes it. The CPU kernels add them to each row's sum; on the GPU they are folded
+        in from ``lse`` after the kernels (``cpuflash/sinks.py``).
     return_lse : bool. Also return ``lse`` (B, Hq, Nq): natural-log log-sum-exp of each row's
         scores, float32 (float64 for float64 input); ``-inf`` for a row that sees no key.
     out : ndarray of the output's shape and dtype, written in place and returned.
