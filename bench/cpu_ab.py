@@ -15,11 +15,11 @@ import pathlib
 import subprocess
 import sys
 import tempfile
-import time
 
 import numpy as np
 
 import cpuflash
+from cpuflash._measure import medians_side_by_side
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 STEPS = ((8, 2, 64), (8, 2, 32768), (12, 12, 1024))  # (Hq, Hkv, Nk)
@@ -34,6 +34,10 @@ def parse(argv=None):
     a = p.parse_args(argv)
     if a.rounds < 8:
         p.error(f"--rounds must be at least 8, got {a.rounds}")
+    known = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--verify", "--quiet",
+                            f"{a.base}^{{commit}}"], capture_output=True)
+    if known.returncode != 0:
+        p.error(f"--base: no commit {a.base!r} in {REPO}")
     return a
 
 
@@ -46,20 +50,6 @@ def import_base(rev, into):
     sys.path.insert(0, str(into))
     import cpuflash_base
     return cpuflash_base
-
-
-def alternate(calls, rounds):
-    """Median seconds of each of ``calls`` (name -> function), called in turn ``rounds`` times
-    after one warm-up call each."""
-    times = {name: [] for name in calls}
-    for call in calls.values():
-        call()
-    for _ in range(rounds):
-        for name, call in calls.items():
-            start = time.perf_counter()
-            call()
-            times[name].append(time.perf_counter() - start)
-    return {name: float(np.median(t)) for name, t in times.items()}
 
 
 def options(sinks):
@@ -78,9 +68,9 @@ def compare(case, mods, call, sinks, rounds, unit, factor):
     plain_bits = same_bits(call(base, None), call(new, None))
     with_base, with_new = call(base, sinks), call(new, sinks)
     diff = max(float(np.abs(x - y).max()) for x, y in zip(with_base, with_new))
-    t = alternate({"base": lambda: call(base, None), "new": lambda: call(new, None),
-                   "base+s": lambda: call(base, sinks), "new+s": lambda: call(new, sinks)},
-                  rounds)
+    t = medians_side_by_side({"base": lambda: call(base, None), "new": lambda: call(new, None),
+                              "base+s": lambda: call(base, sinks),
+                              "new+s": lambda: call(new, sinks)}, rounds)
     t = {name: value * factor for name, value in t.items()}
     print(f"{case:>30} | {'yes' if plain_bits else 'NO':>4} {t['base']:9.1f} {t['new']:9.1f} "
           f"{t['new'] / t['base']:6.3f} | {t['base+s'] - t['base']:8.1f} "

@@ -9,11 +9,11 @@ pytest.
     python bench/cpu_sinks_cost.py [--rounds 400]
 """
 import argparse
-import time
 
 import numpy as np
 
 import cpuflash
+from cpuflash._measure import medians_side_by_side
 
 STEPS = ((8, 2, 64), (8, 2, 32768), (12, 12, 1024))  # (Hq, Hkv, Nk)
 
@@ -27,20 +27,6 @@ def parse(argv=None):
     return a
 
 
-def alternate(calls, rounds):
-    """Median seconds of each of ``calls`` (name -> function), called in turn ``rounds`` times
-    after one warm-up call each."""
-    times = {name: [] for name in calls}
-    for call in calls.values():
-        call()
-    for _ in range(rounds):
-        for name, call in calls.items():
-            start = time.perf_counter()
-            call()
-            times[name].append(time.perf_counter() - start)
-    return {name: float(np.median(t)) for name, t in times.items()}
-
-
 def main(argv=None):
     a = parse(argv)
     rng = np.random.default_rng(0)
@@ -52,14 +38,15 @@ def main(argv=None):
                           for _ in range(2)))
         q = rng.standard_normal((1, n_hq, 1, 64)).astype(np.float32)
         sinks = rng.standard_normal(n_hq).astype(np.float32)
-        t = alternate({"without": lambda: cache.attention(0, q),
-                       "with": lambda: cache.attention(0, q, sinks=sinks)}, a.rounds)
+        t = medians_side_by_side({"without": lambda: cache.attention(0, q),
+                                  "with": lambda: cache.attention(0, q, sinks=sinks)},
+                                 a.rounds)
         report(f"decode step Hq={n_hq} Hkv={n_hkv} Nk={n_k}", t)
     q, k, v = (rng.standard_normal((1, 8, 2048, 64)).astype(np.float32) for _ in range(3))
     sinks = rng.standard_normal(8).astype(np.float32)
-    t = alternate({"without": lambda: cpuflash.attention(q, k, v),
-                   "with": lambda: cpuflash.attention(q, k, v, sinks=sinks)},
-                  max(1, a.rounds // 8))
+    t = medians_side_by_side({"without": lambda: cpuflash.attention(q, k, v),
+                              "with": lambda: cpuflash.attention(q, k, v, sinks=sinks)},
+                             max(1, a.rounds // 8))
     report("forward H=8 N=2048 D=64", t)
 
 

@@ -241,9 +241,11 @@ def _threads():
     return numba.get_num_threads()
 
 
-def time_side_by_side(fns, repeats=5, budget_s=10.0, settle_s=0.25):
+def time_side_by_side(fns, repeats=5, budget_s=10.0, settle_s=0.25, reduce=min):
     """Best-of-``repeats`` seconds of each zero-argument callable, interleaved round by round
     so that machine noise hits all of them alike. Each is called once first (warm-up).
+    ``reduce``: what makes one figure of each callable's times (``min``; ``np.median`` in
+    ``medians_side_by_side``).
 
     Do not interleave the naive numpy peer with the others: OpenBLAS's threads spin after each
     call and steal the cores from whatever runs next (measured: cpuflash 40 % slower, and
@@ -254,17 +256,25 @@ def time_side_by_side(fns, repeats=5, budget_s=10.0, settle_s=0.25):
     time.sleep(settle_s)
     for fn in fns.values():
         fn()
-    best = {name: float("inf") for name in fns}
+    times = {name: [] for name in fns}
     start = time.perf_counter()
     for _ in range(repeats):
         for name, fn in fns.items():
             t0 = time.perf_counter()
             fn()
-            best[name] = min(best[name], time.perf_counter() - t0)
+            times[name].append(time.perf_counter() - t0)
         if time.perf_counter() - start > budget_s:
             break
-    return best
+    return {name: float(reduce(t)) for name, t in times.items()}
 
+
+
+def medians_side_by_side(fns, rounds):
+    """Median seconds of each zero-argument callable over ``rounds`` calls, interleaved call by
+    call after one warm-up call each (``time_side_by_side``, no time budget): the A/B scripts'
+    measure (``bench/cpu_ab.py``, ``bench/cpu_sinks_cost.py``)."""
+    return time_side_by_side(fns, repeats=rounds, budget_s=float("inf"), settle_s=0.0,
+                             reduce=np.median)
 
 _MEMORY_SCRIPT = r"""
 import json, resource, sys
