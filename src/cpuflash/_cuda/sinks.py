@@ -1,5 +1,6 @@
-"""Attention sinks on the GPU: the CPU path's fold and gradient (``cpuflash/sinks.py`` has the
-math), as two small kernels after the attention kernels, which stay as they are.
+"""Attention sinks on the GPU: their fold and gradient (``cpuflash/sinks.py`` has the math), as
+two small kernels after the attention kernels, which stay as they are (the CPU kernels add the
+sinks to each row's sum instead, since stop 58).
 
     fold:   one thread a row (b, h, i): lse' = logaddexp(lse, c), out *= e^(lse - lse')
     dsinks: one thread a sink (its batch row or all batches, h), summing in row order (no
