@@ -112,9 +112,10 @@ def test_backward_float16():
 
 @pytest.mark.parametrize("per_batch", [False, True])
 def test_sinks(per_batch):
-    """Attention sinks folded in after the kernels (``_cuda/sinks.py``), forward and backward
-    with ``dsinks``, against the reference; a row that sees no key gives output 0 and
-    ``lse = c``, a sink of -inf none at all."""
+    """Attention sinks, forward (each forward kernel adds the sinks to its rows' sums,
+    ``tiles.finish_lines``) and backward with ``dsinks`` (``_cuda/sinks.py``), against the
+    reference; a row that sees no key gives output 0 and ``lse = c``, a sink of -inf none at
+    all."""
     shape = SHAPES[-1] if BIG else SHAPES[0]
     q, k, v = qkv(shape)
     (dout,) = rands(q.shape[:-1] + (v.shape[-1],), seed=7)
@@ -145,6 +146,36 @@ def test_sinks(per_batch):
     assert isinstance(out_np, np.ndarray) and np.array_equal(out_np, out)
     with pytest.raises(ValueError, match="sinks"):
         cpuflash.attention(gq, gk, gv, sinks=np.zeros(n_hq + 1))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("tensor_cores", [True, False], ids=["mma", "simt"])
+def test_sinks_in_every_forward_kernel(dtype, tensor_cores, monkeypatch):
+    """Each forward kernel (the tensor-core kernels of float32 and float16 on a GPU, the SIMT
+    kernel with ``CPUFLASH_CUDA_MMA=0`` and in the simulator) with a sink per head: near the
+    scores, 1000 above them (``2^(c - m)`` would overflow float32 without the shift by the
+    larger: output 0, ``lse = c``), 1000 below, -inf (none); rows that see no key (batch 0)
+    give output 0 and ``lse`` exactly the sink's float32 value."""
+    if not tensor_cores:
+        monkeypatch.setenv("CPUFLASH_CUDA_MMA", "0")
+    elif SIMULATED:
+        pytest.skip("the simulator runs the SIMT kernel only")
+    shape = (2, 4, 2, 130, 257, 64, 64) if BIG else (2, 4, 2, 5, 9, 8, 8)
+    q, k, v = qkv(shape, dtype)
+    sinks = np.array([0.25, 1000.0, -1000.0, -np.inf], dtype=np.float32)
+    opts = {"causal": True, "kv_lens": np.array([0, shape[4] - 2])}
+    out, lse = cpuflash.attention(*on_gpu(q, k, v), return_lse=True, sinks=sinks, **opts)
+    ref, ref_lse = reference.attention(q, k, v, return_lse=True, sinks=sinks, **opts)
+    out, lse = out.copy_to_host(), lse.copy_to_host()
+    assert out.dtype == dtype and lse.dtype == np.float32
+    np.testing.assert_allclose(out, ref, atol=tol(dtype, ref), rtol=0)
+    np.testing.assert_allclose(lse[1], ref_lse[1], atol=1e-4, rtol=1e-5)
+    assert np.all(out[0] == 0) and np.array_equal(lse[0], np.broadcast_to(sinks[:, None],
+                                                                          lse[0].shape))
+    assert np.all(out[1, 1] == 0)  # the sink 1000 above every score takes all the weight
+    plain = cpuflash.attention(*on_gpu(q, k, v), sinks=np.full(4, -np.inf), **opts)
+    assert np.array_equal(plain.copy_to_host(),
+                          cpuflash.attention(*on_gpu(q, k, v), **opts).copy_to_host())
 
 
 def test_ranks_and_strides():

@@ -14,7 +14,7 @@ from . import arrays
 from .backward import run_backward
 from .forward import run_forward
 from .runtime import load, require_device
-from .sinks import logits_on_device, run_dsinks, run_fold
+from .sinks import logits_on_device, run_dsinks
 from .tiles import MAX_HEAD_DIM
 
 GPU_DTYPES = (np.dtype(np.float16), np.dtype(np.float32))
@@ -172,9 +172,7 @@ def attention(q, k, v, *, causal, scale, mask, window, kv_lens, alibi_slopes, so
     lse_result, lse_dev = arrays.empty(tuple(q.shape[:-1]), np.float32, like)
     run_forward(*(arrays.as_4d(views[n]) for n in "qkv"), scale, band, mods,
                 arrays.as_4d(out_dev), arrays.as_nd(lse_dev, 3), qd.stream,
-                mask=_mask_4d(views), drop=drop, kv_scales=kv_scales)
-    if sinks_dev is not None:
-        run_fold(arrays.as_4d(out_dev), arrays.as_nd(lse_dev, 3), sinks_dev, qd.stream)
+                mask=_mask_4d(views), drop=drop, kv_scales=kv_scales, sinks=sinks_dev)
     if kind == "numpy":
         result = out_dev.copy_to_host()
         lse_result = lse_dev.copy_to_host() if return_lse else None

@@ -12,7 +12,7 @@ shared memory, so that scores are in base-2 units:
         m'  = max(m, rowmax(S));  P = 2^(S - m');  alpha = 2^(m - m')
         l   = alpha * l + rowsum(P);  P *= dropout's keep / (1 - p)  (dropout.py)
         acc = alpha * acc + P @ V_tile
-    out = acc / l;  lse = ln(2) * (m + log2(l))
+    out = acc / l;  lse = ln(2) * (m + log2(l))     # with a sink c: l + 2^(c log2(e) - m)
 
 Never built: the (Nq, Nk) score matrix, or even a P tile in shared memory (P travels between
 threads by warp shuffles). Keys that no row of the block sees are loaded as zeros, so a NaN
@@ -47,6 +47,7 @@ from .tiles import (
     NO_EXTRAS,
     ONE,
     SIMT_FORWARD_ARGS,
+    SINK_LINES,
     ZERO,
     aligned,
     band_lines,
@@ -55,6 +56,7 @@ from .tiles import (
     dropout_lines,
     extra_args,
     extra_names,
+    finish_lines,
     forward_shape,
     grid,
     group_width,
@@ -69,6 +71,7 @@ from .tiles import (
     shfl_sync,
     shfl_xor_sync,
     signature,
+    sink_args,
     tile_elements,
     tile_fetch,
     tile_store,
@@ -79,7 +82,7 @@ cuda = load()
 
 TEMPLATE = """
 def forward(q, k, v, scale2, left, right, kv_lens, softcap2, slopes2, mask, seed_mix,
-            drop_below, inv_keep, k_scale, v_scale, out, lse):
+            drop_below, inv_keep, k_scale, v_scale, sinks, out, lse):
     n_hq, n_q, d = q.shape[1], q.shape[2], q.shape[3]
     n_hkv, dv = k.shape[1], v.shape[3]
     qs = cuda.shared.array(Q_SIZE, float32@aligned)    # Q^T: [c * BM + r]
@@ -169,16 +172,13 @@ def make_forward(d_pad, dv_pad, mods, mask=None, dropout=False, quantized=False)
             softmax += dropout_lines(elements[i * TN:(i + 1) * TN], lambda _: f"mix{i}")
         softmax += rep(f"a{i}_{{cc}} *= alpha", cc=CV)
     scores = rows + score_lines(elements, [(i, f"r{i}") for i in range(TM)], mods, mask)
-    store = list(rows)
+    store = list(rows) + SINK_LINES
     for i in range(TM):
-        store += [f"if r{i} < n_q:",
-                  f"    seen = l{i} != ZERO  # a row that sees no key: output 0, lse -inf",
-                  f"    inv_l = ONE / l{i} if seen else ZERO"]
+        store += [f"if r{i} < n_q:"] + ["    " + x for x in finish_lines(f"m{i}", f"l{i}")]
         for cc in range(CV):
             col = column(cc, WV)
             store += [f"    if {col} < dv: out[b, h, r{i}, {col}] = a{i}_{cc} * inv_l"]
-        store += [(f"    if tx == 0: lse[b, h, r{i}] = (m{i} + math.log2(l{i})) * LN2 "
-                  "if seen else NEG_INF")]
+        store += [f"    if tx == 0: lse[b, h, r{i}] = lse_row"]
     # S step, four dims at a time: Q^T rows kq..kq+3 (this thread's TM rows side by side) and
     # K^T rows kq..kq+3 (its TN keys in groups of WK side by side, rotated as kt_index stores
     # them: the same rotation for the four rows, so each load is a base plus a constant)
@@ -258,13 +258,15 @@ def kernel(d_pad, dv_pad, mods, dtype, extras=NO_EXTRAS, kv_dtype=None):
 
 
 def run_forward(q, k, v, scale, band, mods, out, lse, stream=None, mask=None,
-                drop=masks.NO_DROPOUT, kv_scales=None):
+                drop=masks.NO_DROPOUT, kv_scales=None, sinks=None):
     """Launch on 4-D ``GpuArray``s (any strides; float16 or float32), on the raw ``stream``.
     ``band``, ``mods``: as ``masks.band``/``masks.modifiers`` give them (numpy); ``mask``: the
     caller's mask as a 4-D ``GpuArray`` (each axis 1 or full) or None; ``drop``:
     ``masks.dropout``'s ``(drop_below, seed, inv_keep)``; ``kv_scales``: an int8 cache's
-    ``(k_scale, v_scale)``, 3-D ``GpuArray``s (K/V may also be float16 under a float32 q). Writes
-    ``out`` (B, Hq, Nq, Dv) of q's dtype and ``lse`` (B, Hq, Nq) float32, natural log. The
+    ``(k_scale, v_scale)``, 3-D ``GpuArray``s (K/V may also be float16 under a float32 q);
+    ``sinks``: the attention sinks' logits (``sinks.logits_on_device``) or None, one more term
+    of each row's sum (``tiles.finish_lines``). Writes ``out`` (B, Hq, Nq, Dv) of q's dtype
+    and ``lse`` (B, Hq, Nq) float32, natural log. The
     tensor-core kernels take the calls they can (``tensor_cores``), this module's SIMT
     kernel the rest."""
     n_b, n_hq, n_q, d = q.shape
@@ -274,9 +276,10 @@ def run_forward(q, k, v, scale, band, mods, out, lse, stream=None, mask=None,
     kinds, extras = extra_args(mask, drop)
     module = tensor_cores(q, k, v)
     if module is not None:
-        return module.run_forward(q, k, v, options, has_mods, kinds, extras, out, lse, stream)
+        return module.run_forward(q, k, v, options, has_mods, kinds, extras + sink_args(sinks),
+                                  out, lse, stream)
     kv_dtype = None if k.dtype == q.dtype else np.dtype(k.dtype).str
     fn, threads, rows = kernel(pad8(d), pad8(v.shape[3]), has_mods, np.dtype(q.dtype).str,
                                kinds, kv_dtype)
     fn(grid(n_b * n_hq, n_q, rows), threads, stream, q, k, v, *options, *extras,
-       *scale_args(kv_scales), out, lse)
+       *scale_args(kv_scales), *sink_args(sinks), out, lse)

@@ -11,7 +11,7 @@ TF32 parts; block and tile sizes by head dim in ``SHAPES``:
         S = Q K^T                            # float16 products, exact; float32 sums
         S = S * scale * log2(e); softcap / ALiBi / band mask; online softmax per row
         acc = alpha * acc;  acc += P V       # P rounded to float16, V as it is
-    out = acc / l;  lse = ln(2) * (m + log2(l))
+    out = acc / l;  lse = ln(2) * (m + log2(l))     # with a sink c: l + 2^(c log2(e) - m)
 
 Numerics. Q, K and V are used as the caller gave them: a product of two halves is exact in
 float32, so ``S`` is as accurate as float32 accumulation makes it (the scale is applied to S
@@ -243,7 +243,8 @@ def kernel(d_pad, dv_pad, mods, extras=NO_EXTRAS):
 
 def run_forward(q, k, v, options, has_mods, kinds, extras, out, lse, stream=None):
     """Launch for ``forward.run_forward`` (which calls it for a non-empty ``out``, with the
-    kernels' option and extra arguments and their kinds); ``usable`` must hold."""
+    kernels' option and extra arguments, the sinks' among the extras, and their kinds);
+    ``usable`` must hold."""
     n_b, n_hq, n_q, d = q.shape
     fn, threads, rows = kernel(pad16(d), pad16(v.shape[3]), has_mods, kinds)
     fn(grid(n_b * n_hq, n_q, rows), threads, stream, q, k, v, *options, *extras, out, lse)

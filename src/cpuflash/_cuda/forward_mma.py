@@ -17,7 +17,7 @@ a thread holds, in the MMA's accumulator layout, two rows (``g`` and ``g + 8``, 
         softcap / ALiBi / the caller's mask / band mask; online softmax per row (4 lanes
         share a row: 2 shuffles); dropout on P after the row sums
         acc = alpha * acc + P V         # P straight from S's registers (see below)
-    out = acc / l;  lse = ln(2) * (m + log2(l))
+    out = acc / l;  lse = ln(2) * (m + log2(l))     # with a sink c: l + 2^(c log2(e) - m)
 
 Q is split into its TF32 parts once, as it is stored to shared memory (both parts kept, in
 the MMA's fragment order: one 16-byte load per A operand, ``load_q_lines``); K, V
@@ -64,10 +64,12 @@ from .tiles import (
     NO_EXTRAS,
     ONE,
     SHARED_FLOATS,
+    SINK_LINES,
     ZERO,
     band_lines,
     dropout_lines,
     extra_names,
+    finish_lines,
     grid,
     index_mask,
     mask_prologue,
@@ -153,7 +155,7 @@ def usable(q, k, v, device_cc):
 # during S = Q K^T and the next K during the softmax and P V.
 TEMPLATE = """
 def KERNEL(q, k, v, scale2, left, right, kv_lens, softcap2, slopes2, mask, seed_mix,
-           drop_below, inv_keep, out, lse):
+           drop_below, inv_keep, sinks, out, lse):
     @preamble
     @shared
     @block
@@ -297,16 +299,13 @@ def store_lines(nvd, mt="", dim0="", writes_lse="t == 0"):
     store = []
     for w, cs in (("lo", (0, 1)), ("hi", (2, 3))):
         r, m, total = f"r{mt}_{w}", f"m{mt}_{w}", f"l{mt}_{w}"
-        store += [f"if {r} < n_q:",
-                  f"    seen = {total} != ZERO  # a row that sees no key: output 0, lse -inf",
-                  f"    inv_l = ONE / {total} if seen else ZERO"]
+        store += [f"if {r} < n_q:"] + ["    " + x for x in finish_lines(m, total)]
         for nd in range(nvd):
             for c in cs:
                 col = f"{8 * nd + (c & 1)} + 2 * t{dim0}"
                 store += [f"    if {col} < dv: oh[{r} & ANY, ({col}) & ANY] = "
                           f"o{mt}{nd}_{c} * inv_l"]
-        store += [f"    if {writes_lse}: lse_h[{r} & ANY] = ({m} + math.log2({total})) * LN2 "
-                  "if seen else NEG_INF"]
+        store += [f"    if {writes_lse}: lse_h[{r} & ANY] = lse_row"]
     return store
 
 
@@ -347,7 +346,7 @@ def mtile_state(tags, nvd, dim0="", writes_lse="t == 0"):
     """Lines: each m-tile's running max, sum and output set up (``init``), and stored
     (``store``, ``store_lines``)."""
     # The rows of this head (indices masked non-negative, so without the wraparound test)
-    init, store = [], ["oh = out[b, h]", "lse_h = lse[b, h]"]
+    init, store = [], ["oh = out[b, h]", "lse_h = lse[b, h]"] + SINK_LINES
     for tag in tags:
         init += [f"m{tag}_lo = NEG_INF", f"m{tag}_hi = NEG_INF", f"l{tag}_lo = ZERO",
                  f"l{tag}_hi = ZERO"] + rep(f"o{tag}{{nd}}_{{c}} = ZERO", nd=nvd, c=4)
@@ -536,7 +535,8 @@ def kernel(d_pad, dv_pad, mods, extras=NO_EXTRAS):
 
 def run_forward(q, k, v, options, has_mods, kinds, extras, out, lse, stream=None):
     """Launch for ``forward.run_forward`` (which calls it for a non-empty ``out``, with the
-    kernels' option and extra arguments and their kinds); ``usable`` must hold."""
+    kernels' option and extra arguments, the sinks' among the extras, and their kinds);
+    ``usable`` must hold."""
     n_b, n_hq, n_q, d = q.shape
     fn, threads, rows, _ = kernel(pad16(d), pad16(v.shape[3]), has_mods, kinds)
     fn(grid(n_b * n_hq, n_q, rows), threads, stream, q, k, v, *options, *extras, out, lse)

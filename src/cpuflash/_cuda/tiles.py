@@ -437,11 +437,48 @@ def scale_args(kv_scales):
     scales as given, else 1-element stand-ins that no line reads."""
     return tuple(kv_scales) if kv_scales is not None else (uploaded(_NO_SCALES),) * 2
 
+_NO_SINKS = np.full((1, 1), -np.inf, dtype=np.float32)
+
+
+def sink_args(sinks):
+    """``(sinks,)`` for the forward kernels: the attention sinks' logits, natural units, a
+    float32 (B or 1, Hq) ``GpuArray`` (``sinks.logits_on_device``), or for None a (1, 1) -inf
+    that adds nothing (``finish_lines``)."""
+    return (uploaded(_NO_SINKS) if sinks is None else sinks,)
+
+
+# The forward kernels' store: the head's sink (``sinks[b or 0, h or 0]``), read once the key
+# tiles are done (not held in a register through them), and in base 2 as the scores are.
+SINK_LINES = ["c_sink = sinks[b if sinks.shape[0] > 1 else 0, h if sinks.shape[1] > 1 else 0]",
+              "c2_sink = c_sink * LOG2_E"]
+
+
+def finish_lines(m, total):
+    """Lines: a row's ``inv_l``, the factor of its output, and ``lse_row`` (natural log) from
+    its running max ``m`` and sum ``total`` (base 2) and the head's sink (``SINK_LINES``). The
+    sink adds ``2^(c2 - m)`` to the sum: with ``top = max(m, c2)``, ``l' = total 2^(m - top) +
+    2^(c2 - top)``, ``out = acc 2^(m - top) / l'`` and ``lse = (top + log2(l')) ln 2``, which
+    cannot overflow (a sink far above the scores: ``l' = 1``, output 0, ``lse = c``). The
+    names end in ``_sink``: a kernel's own (``t``, a lane's quad) must not be taken. A row that
+    sees no key: output 0, ``lse`` the sink's logit (-inf without one). Without a sink (a
+    uniform branch: one head a block) the lines of a plain row, the same bits as before."""
+    return [f"seen = {total} != ZERO  # a row that sees no key: output 0, lse the sink's",
+            f"inv_l = ONE / {total} if seen else ZERO",
+            f"lse_row = ({m} + math.log2({total})) * LN2 if seen else c_sink",
+            "if seen and c2_sink != NEG_INF:",
+            f"    top_sink = max({m}, c2_sink)",
+            f"    em_sink = math.exp2({m} - top_sink)",
+            f"    l_sink = {total} * em_sink + math.exp2(c2_sink - top_sink)",
+            "    inv_l = em_sink / l_sink",
+            "    lse_row = (top_sink + math.log2(l_sink)) * LN2"]
+
+
 # Every kernel takes ``extra_args``'s four after the options. The SIMT forward kernel also
 # reads K/V caches (``K``: float16 with float32 q, or int8 times ``k_scale``/``v_scale``, the
-# two ``L`` after the extras).
-FORWARD_ARGS = "XXXfiiIfSMiifXL"
-SIMT_FORWARD_ARGS = "XKKfiiIfSMiifLLXL"
+# two ``L`` after the extras). The forward kernels take the sinks (``S``, ``sink_args``) before
+# ``out`` and ``lse``.
+FORWARD_ARGS = "XXXfiiIfSMiifSXL"
+SIMT_FORWARD_ARGS = "XKKfiiIfSMiifLLSXL"
 DKDV_ARGS = "XXXXLLfiiIfSMiifXX"
 DQ_ARGS = "XXXXLLfiiIfSMiiffX"
 PREP_ARGS = "XXLLL"
