@@ -1,7 +1,7 @@
 """Attention sinks (``sinks=``): the reference against a direct softmax with one more column and
-against finite differences; the kernels' results with sinks folded in against the reference,
-forward and backward, across the options, dtypes, the decode path, KVCache and varlen; the
-identities (a sink of -inf is none, bit for bit; a sink is a part of ``merge`` with output 0);
+against finite differences; the kernels' results with sinks (one more term of each row's sum)
+against the reference, forward and backward, across the options, dtypes, the decode path,
+KVCache and varlen; the identities (a sink of -inf is none, bit for bit; a sink is a part of ``merge`` with output 0);
 rows that see no key; bad sinks."""
 import numpy as np
 import pytest
@@ -97,7 +97,7 @@ def test_sinks_dtypes(dtype):
         check_with_sinks(q, k, v, rand(out.shape, dtype, 9), sinks, causal=True)
 
 
-@pytest.mark.parametrize("n_q", [33, 3])  # the tiled kernel's fold; the decode path's merge
+@pytest.mark.parametrize("n_q", [33, 3])  # the tiled kernel's finish_row; the decode merge
 def test_a_sink_of_minus_inf_is_none_bit_for_bit(n_q):
     q, k, v, dout = rands((2, 4, n_q, 16), (2, 2, 50, 16), (2, 2, 50, 16), (2, 4, n_q, 16))
     none = np.full(4, -np.inf, np.float32)
