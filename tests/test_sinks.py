@@ -1,8 +1,8 @@
 """Attention sinks (``sinks=``): the reference against a direct softmax with one more column and
 against finite differences; the kernels' results with sinks (one more term of each row's sum)
 against the reference, forward and backward, across the options, dtypes, the decode path,
-KVCache and varlen; the identities (a sink of -inf is none, bit for bit; a sink is a part of ``merge`` with output 0);
-rows that see no key; bad sinks."""
+KVCache and varlen; the identities (a sink of -inf is none, bit for bit; a sink is a part of
+``merge`` with output 0); rows that see no key; bad sinks."""
 import numpy as np
 import pytest
 from hypothesis import given, settings
