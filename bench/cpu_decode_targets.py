@@ -15,6 +15,7 @@ the read (target: >= 80 %); float32 x torch (target: >= 4); float16 x float32 a 
     python bench/cpu_decode_targets.py [--rounds 8] [--hkv 2] [--nk 32768] [--repeats 3]
 """
 import argparse
+import statistics
 
 from cpuflash import _measure
 
@@ -46,6 +47,7 @@ def main(argv=None):
           f"layers, float16 of {per_layer['float16']}, from DRAM; ms a layer")
     print("round  read GB/s | f32 ms  GB/s  of read | f16 ms  f16 x f32 | torch ms  f32 x torch")
     met = {"of read >= 80 %": 0, "x torch >= 4": 0, "f16 x f32 >= 1.6": 0}
+    seen = {name: [] for name in met}  # each round's figure, for the medians
     for rnd in range(a.rounds):
         best = _measure.time_side_by_side(
             {"float32": steps["float32"], "float16": steps["float16"], "read": read},
@@ -61,10 +63,15 @@ def main(argv=None):
         met["of read >= 80 %"] += share >= 0.8
         met["x torch >= 4"] += vs_torch >= 4.0
         met["f16 x f32 >= 1.6"] += f16_gain >= 1.6
+        for name, x in zip(met, (share, vs_torch, f16_gain)):
+            seen[name].append(x)
         print(f"{rnd:5d}  {read_gbs:9.1f} | {f32 * 1e3:6.3f} {gbs:5.1f} {share:7.0%} | "
               f"{f16 * 1e3:6.3f} {f16_gain:9.2f} | {torch_t * 1e3:8.3f} {vs_torch:12.2f}",
               flush=True)
     print("met in: " + ", ".join(f"{name} {n} of {a.rounds}" for name, n in met.items()))
+    print(f"medians: of read {statistics.median(seen['of read >= 80 %']):.1%}, x torch "
+          f"{statistics.median(seen['x torch >= 4']):.2f}, f16 x f32 "
+          f"{statistics.median(seen['f16 x f32 >= 1.6']):.2f}")
     return 0
 
 

@@ -82,6 +82,8 @@ def main(argv=None):
         print("met in: " + ", ".join(
             f"{name} >= {goal} {sum(x >= goal for x in r)} of {a.rounds}"
             for name, (*_, goal), r in zip(names, shapes, ratios)))
+        print("median x torch: " + ", ".join(f"{name} {statistics.median(r):.3f}"
+                                             for name, r in zip(names, ratios)))
     return 0
 
 
