@@ -268,13 +268,13 @@ def time_side_by_side(fns, repeats=5, budget_s=10.0, settle_s=0.25, reduce=min):
     return {name: float(reduce(t)) for name, t in times.items()}
 
 
-
 def medians_side_by_side(fns, rounds):
     """Median seconds of each zero-argument callable over ``rounds`` calls, interleaved call by
     call after one warm-up call each (``time_side_by_side``, no time budget): the A/B scripts'
     measure (``bench/cpu_ab.py``, ``bench/cpu_sinks_cost.py``)."""
     return time_side_by_side(fns, repeats=rounds, budget_s=float("inf"), settle_s=0.0,
                              reduce=np.median)
+
 
 _MEMORY_SCRIPT = r"""
 import json, resource, sys

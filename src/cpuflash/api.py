@@ -44,8 +44,7 @@ def attention(q, k, v, *, causal=False, scale=None, mask=None, window=None, kv_l
     sinks : float array (Hq,) or (B, Hq): attention sinks (gpt-oss), one logit a query head
         that joins each row's softmax with no value: ``p_j = e^(s_j) / (e^c + sum e^(s_k))``.
         Not scaled, capped, biased or masked; ``-inf`` for a head without one. ``lse`` then
-        includes it. The CPU kernels add them to each row's sum; on the GPU they are folded
-        in from ``lse`` after the kernels (``cpuflash/sinks.py``).
+        includes it. The kernels add them to each row's sum (``cpuflash/sinks.py``).
     return_lse : bool. Also return ``lse`` (B, Hq, Nq): natural-log log-sum-exp of each row's
         scores, float32 (float64 for float64 input); ``-inf`` for a row that sees no key.
     out : ndarray of the output's shape and dtype, written in place and returned.
@@ -79,7 +78,7 @@ def attention(q, k, v, *, causal=False, scale=None, mask=None, window=None, kv_l
                       out=out, k_scale=k_scale, v_scale=v_scale, device=device)
 
 
-def sink_logits(q, sinks):
+def _sink_logits(q, sinks):
     """``sinks`` checked against the numpy ``q`` (``sinks.check``): float64 ``(B or 1, Hq)``."""
     return _sinks.check_for_queries(sinks, _checks.array("q", q).shape)
 
@@ -138,7 +137,7 @@ def _attention(q, k, v, kv_blocks, *, causal=False, scale=None, mask=None, windo
             alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p, seed=seed,
             return_lse=return_lse, out=out, device=device, k_scale=k_scale, v_scale=v_scale,
             sinks=sinks)
-    logits = None if sinks is None else sink_logits(q, sinks)
+    logits = None if sinks is None else _sink_logits(q, sinks)
     call = _prepare(q, k, v, causal, scale, mask, window, kv_lens, alibi_slopes, softcap,
                     dropout_p, seed, k_scale, v_scale)
     out_shape = q.shape[:-1] + (call.dv,)
@@ -367,7 +366,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, mas
     ``(dq, dk, dv, dsinks)``: ``dsinks`` shaped like ``sinks``, in ``lse``'s dtype.
     """
     if sinks is not None and not _on_cuda(q, device):
-        logits = sink_logits(q, sinks)
+        logits = _sink_logits(q, sinks)
         grads = attention_backward(
             dout, q, k, v, out, lse, causal=causal, scale=scale, mask=mask, window=window,
             kv_lens=kv_lens, alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p,

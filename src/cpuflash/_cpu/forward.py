@@ -38,7 +38,7 @@ from . import sequences, simd
 from ._jit import helper, kernel, portable_twin
 from .sequences import BLOCK_Q, N_Q, N_QB, Q_BATCH, Q_ROW0, TASK0, TILE0, TILES, find_task
 from .tasks import new_claims, next_task, num_threads, run_shared
-from .decode import MAX_NQ, NO_SINKS, arrays_of_blocks, run_decode
+from .decode import MAX_NQ, NO_SINKS, arrays_of_blocks, run_decode, sink_of
 from ..masks import UserMask
 from .pack import empty, output, packed_kv, packed_varlen, scratch
 from .masking import (HIDDEN, MIXED, apply_user_mask, band_runs, mask_tile, panel_runs,
@@ -248,9 +248,7 @@ def forward(q, kt, vt, n_hkv, block_q, scale, left, right, seqs, kv_lens, softca
                     tile_product_rescale(acc, r0 * dv_pad, dv_pad, s, r0 * ld_s, ld_s, 1, vt_flat,
                                          v_off, 0, block_k, r1 - r0, dv_pad, min(n_valid, need),
                                          alpha_i, r0, alpha_i, 0, pv, PORTABLE)
-            sink = -np.inf  # the head's sink logit; -inf: none
-            if sinks.shape[1] > 0:
-                sink = sinks[b if sinks.shape[0] > 1 else 0, h]
+            sink = sink_of(sinks, b, h)  # the head's sink logit; -inf: none
             for r in range(rows):
                 at = out_row0 + r * out_layout[2]
                 if l_i[r] == 0.0:  # the row sees no key: output 0; lse the sink's (or -inf)
