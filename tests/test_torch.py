@@ -154,6 +154,33 @@ def test_float16_and_strided_inputs():
     torch.testing.assert_close(out.float(), want, rtol=0, atol=2e-3)
 
 
+def test_bfloat16_is_computed_in_float32_and_rounded_once():
+    """bfloat16 q, k, v (and mask, sinks): the float32 call's results on the same values,
+    rounded to bfloat16, bit for bit, gradients included; errors against the float64
+    reference no larger than torch's own bfloat16 SDPA's."""
+    q, k, v, dout = (x.detach().bfloat16() for x in tensors(
+        (2, 4, 37, 16), (2, 2, 45, 16), (2, 2, 45, 8), (2, 4, 37, 8), seed=4))
+    mask = torch.randn(2, 1, 37, 45, generator=torch.Generator().manual_seed(6))
+    mask = mask.bfloat16().expand(2, 4, 37, 45)  # a broadcast view
+    assert ct._mask_view(mask).strides[1] == 0  # widened without writing out its copies
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0]).bfloat16()
+    kw = {"attn_mask": mask, "enable_gqa": True}
+    wide = [x.float().requires_grad_() for x in (q, k, v)]
+    want = run(ct.scaled_dot_product_attention, *wide, dout.float(), sinks=sinks.float(), **kw)
+    got = run(ct.scaled_dot_product_attention, *(x.clone().requires_grad_() for x in (q, k, v)),
+              dout, sinks=sinks, **kw)
+    for g, w in zip(got, want):
+        assert g.dtype == torch.bfloat16 and torch.equal(g, w.to(torch.bfloat16))
+    # against the float64 reference (no sinks: torch has none)
+    kw["attn_mask"] = mask[:, :1]
+    out = ct.scaled_dot_product_attention(q, k, v, **kw)
+    ref = reference.attention(*(x.double().numpy() for x in (q, k, v)),
+                              mask=mask[:, :1].double().numpy())
+    ours = np.abs(out.double().numpy() - ref).max()
+    theirs = np.abs(F.scaled_dot_product_attention(q, k, v, **kw).double().numpy() - ref).max()
+    assert ours <= theirs and ours <= 2.0**-8 * np.abs(ref).max()
+
+
 def test_inputs_are_not_copied():
     base = torch.randn(1, 40, 2, 3, 8)
     q = base[..., 0, :].transpose(1, 2)  # strided view
@@ -195,8 +222,12 @@ def test_errors():
     sdpa = ct.scaled_dot_product_attention
     with pytest.raises(ValueError, match="enable_gqa"):
         sdpa(q, k, v)
-    with pytest.raises(TypeError, match="bfloat16"):
-        sdpa(q.bfloat16(), k.bfloat16(), v.bfloat16(), enable_gqa=True)
+    with pytest.raises(TypeError, match="one dtype"):
+        sdpa(q.bfloat16(), k.float(), v.float(), enable_gqa=True)
+    with pytest.raises(TypeError, match="one dtype"):
+        sdpa(q.float(), k.bfloat16(), v.float(), enable_gqa=True)
+    with pytest.raises(TypeError, match="int32"):
+        sdpa(q.int(), k, v, enable_gqa=True)
     with pytest.raises(TypeError, match="query"):
         sdpa(q.numpy(), k, v, enable_gqa=True)
     with pytest.raises(ValueError, match="CPU"):

@@ -34,10 +34,16 @@ Beyond torch (keyword-only, cpuflash's semantics, see ``cpuflash.attention``): `
 ``alibi_slopes`` (a tensor or array (Hq,) or (B, Hq)), ``softcap``, ``seed``, and ``sinks``
 (attention sinks, a float tensor (Hq,) or (B, Hq) as gpt-oss's, differentiable).
 
-Differences: a row that sees no key gives 0 (torch's math path gives NaN); dtypes float32,
-float64 and float16 (computed in float32; float64 on the CPU only); bfloat16 has no numpy
-dtype and raises TypeError (convert with ``.float()``); tensors on another kind of device
-(neither CPU nor CUDA) raise ValueError, and a mask must be on the device of the query.
+dtypes: float32, float64 (on the CPU only), float16 and bfloat16, the last two computed in
+float32. bfloat16 has no numpy dtype: such a tensor is widened to float32 by torch (exactly:
+every bfloat16 is a float32; a copy, O(N)) and the results are rounded back to bfloat16 once,
+to nearest even. q, k and v must be all bfloat16 or none (a mix raises TypeError, as any mix
+of dtypes); a bfloat16 ``attn_mask``, ``alibi_slopes`` or ``sinks`` is widened the same way.
+The backward pass keeps the float32 output and lse, not the rounded output.
+
+Differences: a row that sees no key gives 0 (torch's math path gives NaN); tensors on another
+kind of device (neither CPU nor CUDA) raise ValueError, and a mask must be on the device of
+the query.
 
 Threads: torch and Numba each load their own OpenMP runtime, and by default each one's idle
 threads spin after a parallel region, stealing the cores of whatever runs next. In a process
@@ -47,29 +53,72 @@ Measured on 2 busy cores, cpuflash's forward at N=512 interleaved with torch's S
 slower without it; with it, as fast as torch or up to 1.3x faster.
 """
 
+import numpy as np
 import torch
 from torch.autograd.function import once_differentiable
 
 from . import _checks, api
+from ._cpu import bfloat16
 
 __all__ = ["FlashAttentionFunction", "scaled_dot_product_attention"]
 
-_DTYPES = (torch.float16, torch.float32, torch.float64)
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _numpy_view(name, t):
     """What cpuflash reads of a float tensor, with no copy for any strides: a numpy view of a
-    CPU tensor's memory, or the CUDA tensor itself (detached)."""
+    CPU tensor's memory, or the CUDA tensor itself (detached). bfloat16, which numpy lacks,
+    is read as a float32 copy (``_widened``)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if t.device.type not in ("cpu", "cuda"):
         raise ValueError(f"{name}: expected a CPU or CUDA tensor, got device {t.device}")
-    if t.dtype == torch.bfloat16:
-        raise TypeError(f"{name}: bfloat16 has no numpy dtype; convert explicitly, e.g. "
-                        f"{name}.float() (cpuflash computes float16/float32 in float32)")
     if t.dtype not in _DTYPES:
-        raise TypeError(f"{name}: expected float16, float32 or float64, got {t.dtype}")
-    return t.detach() if t.is_cuda else t.detach().numpy()
+        raise TypeError(f"{name}: expected float16, bfloat16, float32 or float64, got {t.dtype}")
+    t = _widened(t.detach())
+    return t if t.is_cuda else t.numpy()
+
+
+def _widened(t):
+    """A bfloat16 tensor as float32, exactly (a bfloat16 is a float32's upper 16 bits; on the
+    CPU by the kernels' threads, ``_cpu/bfloat16.py``); any other tensor as it is. A broadcast
+    view (stride 0, as ``expand`` makes) stays one: its one copy is widened and expanded again,
+    where ``t.float()`` would write out every copy (a mask expanded to (B, H, Nq, Nk):
+    O(N^2))."""
+    if t.dtype != torch.bfloat16:
+        return t
+    one_copy = t[tuple(slice(0, 1) if step == 0 else slice(None) for step in t.stride())]
+    if one_copy.is_cuda or one_copy.ndim > 4:
+        wide = one_copy.float()
+    else:  # int16 and uint16 views of the same bits (torch has no uint16 views to numpy)
+        wide = torch.from_numpy(bfloat16.to_float32(
+            one_copy.view(torch.int16).numpy().view(np.uint16)))
+    return wide.expand(t.shape)
+
+
+def _result_dtype(query, key, value):
+    """The dtype cpuflash's results are given back in: bfloat16 where q, k and v are (they are
+    computed in float32 and rounded once), else None (the results' own dtype, q's). A mix of
+    bfloat16 with another dtype raises TypeError, as ``cpuflash.attention`` does for any mix."""
+    dtypes = {"query": query.dtype, "key": key.dtype, "value": value.dtype}
+    if torch.bfloat16 not in dtypes.values():
+        return None
+    if len(set(dtypes.values())) > 1:
+        given = ", ".join(f"{n}={d}" for n, d in dtypes.items())
+        raise TypeError(f"query, key, value: expected one dtype, got {given} (cast "
+                        "explicitly; cpuflash does not cast silently)")
+    return torch.bfloat16
+
+
+def _rounded(t, dtype):
+    """A float32 result rounded to ``dtype`` (bfloat16, to nearest even; on the CPU by the
+    kernels' threads), or ``t`` itself for None."""
+    if dtype is None:
+        return t
+    if t.is_cuda:
+        return t.to(dtype)
+    bits = bfloat16.from_float32(t.numpy())
+    return torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16)
 
 
 def _tensor(x):
@@ -87,7 +136,8 @@ def _mask_view(attn_mask):
     if attn_mask.device.type not in ("cpu", "cuda"):
         raise ValueError(f"attn_mask: expected a CPU or CUDA tensor, got device "
                          f"{attn_mask.device}")
-    return attn_mask.detach() if attn_mask.is_cuda else attn_mask.detach().numpy()
+    mask = _widened(attn_mask.detach())
+    return mask if mask.is_cuda else mask.numpy()
 
 
 def _causal_bias(attn_mask):
@@ -102,11 +152,13 @@ def _causal_bias(attn_mask):
 
 
 class _Plan:
-    """One call's cpuflash options and how the keys are cut (top-left causal, Nq < Nk)."""
+    """One call's cpuflash options, how the keys are cut (top-left causal, Nq < Nk) and the
+    dtype the results are rounded to."""
 
     def __init__(self, q, k, attn_mask, is_causal, scale, enable_gqa, dropout_p, window,
-                 alibi_slopes, softcap, seed, sinks=None):
+                 alibi_slopes, softcap, seed, sinks=None, result_dtype=None):
         n_q, n_k = q.shape[-2], k.shape[-2]
+        self.result_dtype = result_dtype  # bfloat16, or None: the results' own (_result_dtype)
         h_q = q.shape[-3] if q.ndim > 2 else 1
         h_kv = k.shape[-3] if k.ndim > 2 else 1
         if h_q != h_kv and not enable_gqa:
@@ -163,10 +215,10 @@ class FlashAttentionFunction(torch.autograd.Function):
         qn, kn, vn = _numpy_view("query", q), _numpy_view("key", k), _numpy_view("value", v)
         out, lse = api.attention(qn, plan.keys(kn), plan.keys(vn), return_lse=True, **plan.opts)
         out_t, lse_t = _tensor(out), _tensor(lse)
-        ctx.save_for_backward(q, k, v, out_t, lse_t)
+        ctx.save_for_backward(q, k, v, out_t, lse_t)  # out: as computed, before any rounding
         ctx.plan = plan
         ctx.sinks_dtype = None if sinks is None else sinks.dtype
-        return out_t
+        return _rounded(out_t, plan.result_dtype)
 
     @staticmethod
     @once_differentiable  # the backward pass is cpuflash's: no double backward
@@ -174,11 +226,12 @@ class FlashAttentionFunction(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         plan = ctx.plan
         kn, vn = _numpy_view("key", k), _numpy_view("value", v)
-        dout_n = _numpy_view("dout", dout.to(out.dtype))  # any strides (an expand of sum())
+        # any strides (an expand of sum()); bfloat16 is widened by _numpy_view, not by torch
+        dout_n = _numpy_view("dout", dout if plan.result_dtype else dout.to(out.dtype))
         dq, dk, dv, *dsinks = api.attention_backward(
             dout_n, _numpy_view("query", q), plan.keys(kn), plan.keys(vn),
             _numpy_view("out", out), _numpy_view("lse", lse), **plan.opts)
-        dq, dk, dv = _tensor(dq), _tensor(dk), _tensor(dv)
+        dq, dk, dv = (_rounded(_tensor(g), plan.result_dtype) for g in (dq, dk, dv))
         if plan.key_stop != k.shape[-2]:  # keys no query saw: gradient 0
             dk, dv = (_pad_keys(g, x.shape) for g, x in ((dk, k), (dv, v)))
         dsinks = _tensor(dsinks[0]).to(ctx.sinks_dtype) if ctx.sinks_dtype is not None else None
@@ -199,8 +252,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     docstring for the semantics, the causal alignment and the extra keyword options."""
     qn, kn, vn = _numpy_view("query", query), _numpy_view("key", key), _numpy_view("value", value)
     plan = _Plan(qn, kn, attn_mask, is_causal, scale, enable_gqa, dropout_p, window,
-                 alibi_slopes, softcap, seed, sinks)
+                 alibi_slopes, softcap, seed, sinks, _result_dtype(query, key, value))
     inputs = (query, key, value) if sinks is None else (query, key, value, sinks)
     if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
         return FlashAttentionFunction.apply(query, key, value, plan, sinks)
-    return _tensor(api.attention(qn, plan.keys(kn), plan.keys(vn), **plan.opts))
+    out = api.attention(qn, plan.keys(kn), plan.keys(vn), **plan.opts)
+    return _rounded(_tensor(out), plan.result_dtype)
