@@ -1,4 +1,5 @@
-"""Decode steps (B=1, Nq=1, Hq=8, D=64) on a KVCache in float32/float16/int8 against torch SDPA
+"""Decode steps (B=1, Nq=1, Hq=8, D=64) on a KVCache in float32/float16/bfloat16/int8 against
+torch SDPA
 (enable_gqa, float32 K/V), grouped per case so that pytest-benchmark prints them side by side:
 
     python -m pytest bench/test_decode.py --benchmark-group-by=group \\
@@ -19,7 +20,7 @@ from cpuflash import _measure, reference
 CASES = [(h_kv, n_k) for n_k in (4096, 32768) for h_kv in (8, 2)]
 
 
-@pytest.mark.parametrize("impl", ["float32", "float16", "int8", "torch"])
+@pytest.mark.parametrize("impl", ["float32", "float16", "bfloat16", "int8", "torch"])
 @pytest.mark.parametrize("h_kv,n_k", CASES, ids=[f"Hkv{h}-Nk{n}" for h, n in CASES])
 def test_decode(benchmark, impl, h_kv, n_k, request):
     q, k, v = _measure.make_qkv(1, 8, n_k, 64, n_q=1, h_kv=h_kv, seed=1)

@@ -11,7 +11,7 @@ import pytest
 
 import cpuflash
 from cpuflash import reference
-from cpuflash._cpu import decode
+from cpuflash._cpu import bfloat16, decode
 from conftest import on_threads, rand
 
 D = 32
@@ -24,7 +24,7 @@ def dequantized(cache, layer):
     return k.astype(np.float64), v.astype(np.float64)
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int8])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, "bfloat16", np.int8])
 @pytest.mark.parametrize("h_kv", [4, 2, 1])
 @pytest.mark.parametrize("n_splits", [1, 5])
 def test_decode_from_cache_against_reference(dtype, h_kv, n_splits, monkeypatch):
@@ -44,7 +44,7 @@ def test_decode_from_cache_against_reference(dtype, h_kv, n_splits, monkeypatch)
     np.testing.assert_allclose(lse, ref_lse, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, "bfloat16"])
 @pytest.mark.parametrize("d", [64, 20])
 def test_decode_over_several_splits(dtype, d):
     """A transposed K read a chunk at a time over splits of many chunks and a ragged last one
@@ -67,7 +67,7 @@ def test_decode_over_several_splits(dtype, d):
         np.testing.assert_allclose(lse, ref_lse, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("dtype", [np.float16, np.int8])
+@pytest.mark.parametrize("dtype", [np.float16, "bfloat16", np.int8])
 def test_cache_with_kv_lens_and_options(dtype):
     """kv_lens (a ragged batch in one cache), ALiBi and softcap read the same dequantized keys."""
     cache = cpuflash.KVCache(1, 2, 2, 256, D, dtype=dtype)
@@ -80,7 +80,7 @@ def test_cache_with_kv_lens_and_options(dtype):
                                reference.attention(q, kd, vd, **opts), rtol=0, atol=2e-6)
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int8])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, "bfloat16", np.int8])
 def test_decode_equals_last_rows_of_full_forward(dtype):
     """Token by token through the cache = the matching rows of one causal forward pass over
     the same (dequantized) keys and values."""
@@ -96,7 +96,8 @@ def test_decode_equals_last_rows_of_full_forward(dtype):
     np.testing.assert_allclose(np.concatenate(steps, axis=2), full, rtol=0, atol=2e-6)
 
 
-@pytest.mark.parametrize("dtype,bound", [(np.float16, 2e-3), (np.int8, 3e-2)])
+@pytest.mark.parametrize("dtype,bound", [(np.float16, 2e-3), ("bfloat16", 1.6e-2),
+                                         (np.int8, 3e-2)])
 def test_cache_accuracy_vs_float32(dtype, bound):
     """The storage error: output against float32 attention on the original keys and values
     (the README's accuracy table comes from bench/test_decode.py on bigger shapes)."""
@@ -181,7 +182,7 @@ def test_append_is_in_place_and_view_gives_the_keys():
     assert list(cache.lengths) == [0, 0]
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int8])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, "bfloat16", np.int8])
 @pytest.mark.parametrize("dv", [D, 128])
 def test_appending_no_tokens_changes_nothing(dtype, dv):
     """An append of zero tokens (an empty prompt, a chunk with nothing left) is a no-op, as
@@ -200,13 +201,13 @@ def test_appending_no_tokens_changes_nothing(dtype, dv):
 
 def test_storage_starts_on_a_cache_line():
     """K/V rows are whole AVX-512 vectors that never straddle two cache lines."""
-    for dtype in (np.float32, np.float16, np.int8):
+    for dtype in (np.float32, np.float16, "bfloat16", np.int8):
         cache = cpuflash.KVCache(2, 1, 2, 1000, D, dtype=dtype)
         for x in (cache.k_blocks, cache.v_blocks):
             assert x.ctypes.data % 64 == 0 and x.flags.c_contiguous and not x.any()
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int8])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, "bfloat16", np.int8])
 def test_keys_in_blocks_across_block_edges(dtype):
     """Appends of 1, 63, 130 and 300 keys (crossing the edges of blocks of KEY_BLOCK keys, one
     append spanning five blocks) store each key in its block, K transposed in panels of w keys
@@ -228,6 +229,10 @@ def test_keys_in_blocks_across_block_edges(dtype):
         (want_k, k_scale), (want_v, v_scale) = cpuflash.quantize_int8(k), cpuflash.quantize_int8(v)
         np.testing.assert_array_equal(scales["k_scale"], k_scale)
         np.testing.assert_array_equal(scales["v_scale"], v_scale)
+    elif dtype == "bfloat16":  # the nearest bfloat16s, stored as their bits
+        want_k, want_v = (bfloat16.from_float32(x).view(np.int16) for x in (k, v))
+        stored_k, stored_v = (bfloat16.from_float32(x).view(np.int16) for x in (stored_k,
+                                                                                 stored_v))
     else:
         want_k, want_v = k.astype(dtype), v.astype(dtype)
     np.testing.assert_array_equal(stored_k, want_k)
@@ -244,7 +249,7 @@ def test_keys_in_blocks_across_block_edges(dtype):
 
 
 @pytest.mark.parametrize("layout", ["panels", "one panel"])
-@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int8, np.float64])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, "bfloat16", np.int8, np.float64])
 def test_block_layouts_against_reference(layout, dtype, monkeypatch):
     """K and V in blocks of panels of the micro-kernel's width (this host's layout), or in one
     panel a block (a K^T block whole, V by rows: AVX-512's layout at D = Dv = 64), whichever
@@ -387,6 +392,7 @@ def test_int8_append_of_nan_names_the_argument_and_writes_nothing():
     ({"max_len": 2.5}, TypeError, "max_len"),
     ({"dtype": np.int32}, TypeError, "dtype"),
     ({"dtype": "bogus"}, TypeError, "dtype"),
+    ({"dtype": "bf16"}, TypeError, "dtype: expected one of .*'bfloat16'"),
 ])
 def test_bad_construction(kwargs, exc, words):
     args = {"layers": 1, "batch": 1, "kv_heads": 1, "max_len": 4, "head_dim": D, **kwargs}
@@ -515,7 +521,41 @@ def test_cache_attention_bad_input_names_the_argument(q_shape, q_dtype, options,
         cache.attention(0, rand(q_shape, seed=3).astype(q_dtype), **options)
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.int8])
+@pytest.mark.parametrize("q_dtype", [np.float64, np.float16])
+def test_bfloat16_cache_takes_float32_queries(q_dtype):
+    cache = cpuflash.KVCache(1, 1, 2, 8, D, dtype="bfloat16")
+    cache.append(0, rand((1, 2, 5, D), seed=1), rand((1, 2, 5, D), seed=2))
+    for n_q in (1, 20):  # the decode path's queries and the tiled path's
+        with pytest.raises(TypeError, match=f"q: expected float32 with a bfloat16 K/V cache, "
+                                            f"got {np.dtype(q_dtype)}"):
+            cache.attention(0, rand((1, 2, n_q, D), seed=3).astype(q_dtype))
+
+
+def test_bfloat16_cache_rounds_as_torch_and_keeps_what_float32_holds():
+    """Appends round to the nearest bfloat16 (ties to even) of their float32 values (float64
+    through float32); infinities, NaN and values past float16's range are kept, as a float32
+    cache keeps them; pickled and copied caches hold the same bits."""
+    import copy
+    import pickle
+    cache = cpuflash.KVCache(1, 1, 1, 8, 4, dtype="bfloat16")
+    k = np.array([[[[1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8, 1e5, -3e38],
+                    [np.inf, -np.inf, 2.0**-130, 0.1]]]])  # float64
+    v = np.array([[[[np.nan, 0.0, -0.0, 1.0], [65520.0, 1.5, 2.0, 3.0]]]], dtype=np.float32)
+    cache.append(0, k, v)
+    assert cache.dtype == "bfloat16" and cache.k_blocks.dtype == np.int16
+    stored_k, stored_v, scales = cache.view(0)
+    assert stored_k.dtype == stored_v.dtype == np.float32 and scales == {}
+    want_k = bfloat16.to_float32(bfloat16.from_float32(k.astype(np.float32)))
+    np.testing.assert_array_equal(stored_k, want_k)
+    assert stored_k[0, 0, 0, :2].tolist() == [1.0, 1.0 + 4 * 2.0**-8]  # ties to even
+    assert np.isinf(stored_k[0, 0, 1, :2]).all() and np.isnan(stored_v[0, 0, 0, 0])
+    assert stored_v[0, 0, 1, 0] == 65536.0 and np.signbit(stored_v[0, 0, 0, 2])
+    for twin in (pickle.loads(pickle.dumps(cache)), copy.deepcopy(cache)):
+        assert twin.dtype == "bfloat16"
+        np.testing.assert_array_equal(twin.view(0)[0], stored_k)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, "bfloat16", np.int8])
 def test_cache_attention_bitwise_identical_across_threads(dtype):
     """The splits of the key axis depend on the shapes only: the same bits on 1 thread and on
     all of them, K read from the blocks."""

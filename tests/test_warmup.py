@@ -12,7 +12,8 @@ from cpuflash import config, warmup
 
 def test_job_names():
     assert warmup.job_names() == ["forward:float32", "backward:float32", "decode:float32",
-                                  "decode-float16:float32", "decode-int8:float32"]
+                                  "decode-float16:float32", "decode-bfloat16:float32",
+                                  "decode-int8:float32"]
     # float16 computes in float32; the cache-type decode families exist for float32 only
     assert warmup.job_names(("float16",), ["forward"]) == ["forward:float32"]
     assert warmup.job_names(("float64",)) == ["forward:float64", "backward:float64",
@@ -74,7 +75,7 @@ def test_processes_default_to_the_cpu_count(monkeypatch):
     monkeypatch.setattr(warmup.subprocess, "run", fake_run)
     monkeypatch.setattr(warmup.os, "cpu_count", lambda: 3)
     results = warmup.precompile(warmup.job_names(("float32", "float64")))
-    assert len(results) == 8 and not any(err for _, err in results.values())
+    assert len(results) == 9 and not any(err for _, err in results.values())
     assert most[0] == (3 if warmup._jit.SAVES_LOCKED else 1)
 
 

@@ -95,7 +95,7 @@ def torch_decode():
 
 def decode_cache(k, v, cache_dtype, layers=1):
     """``(cache, nbytes)``: a ``cpuflash.KVCache`` in ``cache_dtype`` ("float32", "float16",
-    "int8") of ``layers`` layers, each holding ``k``, ``v``; and the unique bytes a decode
+    "bfloat16", "int8") of ``layers`` layers, each holding ``k``, ``v``; and the unique bytes a decode
     step over one layer reads (its keys, values and int8 scales)."""
     import cpuflash
     n_b, n_h, n_k, d = k.shape
@@ -110,7 +110,8 @@ def step_bytes(k_shape, dv, cache_dtype):
     ``k_shape`` (B, Hkv, Nk, D) and values of head dim ``dv``: K, V and int8's two float32
     scales per token and head."""
     n_b, n_h, n_k, d = k_shape
-    per_token = (d + dv) * np.dtype(cache_dtype).itemsize + (8 if cache_dtype == "int8" else 0)
+    itemsize = 2 if cache_dtype == "bfloat16" else np.dtype(cache_dtype).itemsize
+    per_token = (d + dv) * itemsize + (8 if cache_dtype == "int8" else 0)
     return n_b * n_h * n_k * per_token
 
 

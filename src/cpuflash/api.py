@@ -89,6 +89,8 @@ def attention_on_blocks(q, kv_blocks, n_k, options):
     keys. The decode path reads the blocks in place; any other gets K and V as arrays. The
     checks are ``attention``'s, on stand-ins for K and V of their shapes and dtype that hold no
     memory."""
+    if kv_blocks.k.dtype == np.int16 and isinstance(q, np.ndarray) and q.dtype != np.float32:
+        raise TypeError(f"q: expected float32 with a bfloat16 K/V cache, got {q.dtype}")
     k, v = _block_stand_ins(kv_blocks, n_k)
     if options.keys() <= _PLAIN_ON_BLOCKS:
         kv_scales = (None if "k_scale" not in options and "v_scale" not in options
@@ -106,11 +108,15 @@ _PLAIN_ON_BLOCKS = frozenset(("causal", "scale", "k_scale", "v_scale"))
 
 
 def _block_stand_ins(kv_blocks, n_k):
-    """Stand-ins for K and V of a layer's ``Blocks`` over its first ``n_k`` keys."""
+    """Stand-ins for K and V of a layer's ``Blocks`` over its first ``n_k`` keys. A bfloat16
+    cache's (int16 bits, which numpy cannot call a float) stand in as float16: the checks then
+    ask of it what they ask of a float16 cache, float32 queries, and the decode path reads it
+    as it reads those, in place as a 2-byte storage type (``decode_args``); its kernel reads
+    the blocks themselves, and every other path gets them as float32 (``arrays_of_blocks``)."""
     n_b, n_hkv, _, _, d, _ = kv_blocks.k.shape
     dv = kv_blocks.v.shape[3] * kv_blocks.v.shape[5]
-    return (_stand_in((n_b, n_hkv, n_k, d), kv_blocks.k.dtype),
-            _stand_in((n_b, n_hkv, n_k, dv), kv_blocks.v.dtype))
+    dtype = np.float16 if kv_blocks.k.dtype == np.int16 else kv_blocks.k.dtype
+    return _stand_in((n_b, n_hkv, n_k, d), dtype), _stand_in((n_b, n_hkv, n_k, dv), dtype)
 
 
 @functools.lru_cache(maxsize=16)

@@ -40,7 +40,9 @@ DECODE_CASES = ([(2, 4096, "float32", False), (8, 32768, "float32", False)]
                 + [(2, 32768, cache, True) for cache in ("float32", "float16")])
 LONG_DECODE_CASES = ([(h_kv, n_k, cache, False) for n_k in (4096, 32768) for h_kv in (8, 2)
                       for cache in ("float32", "float16", "int8")]
-                     + [(2, 32768, cache, True) for cache in ("float32", "float16", "int8")])
+                     + [(2, 32768, cache, True)
+                        for cache in ("float32", "float16", "bfloat16", "int8")])
+CACHE_DTYPES = ("float32", "float16", "bfloat16", "int8")  # KVCache's, as --decode-case names
 # Seconds of side-by-side rounds per forward shape before it stops short of --repeats: the
 # best of 3 at N=8192 (1.3 s a round with torch), of all 5 below.
 FORWARD_BUDGET_S = 3.0
@@ -57,9 +59,9 @@ def _parse_shape(text):
 
 def _parse_decode_case(text):
     parts = [p.strip() for p in text.split(",")]
-    if len(parts) not in (3, 4) or parts[2] not in ("float32", "float16", "int8"):
+    if len(parts) not in (3, 4) or parts[2] not in CACHE_DTYPES:
         raise argparse.ArgumentTypeError(
-            f"--decode-case: expected Hkv,Nk,float32|float16|int8[,cold], got {text!r}")
+            f"--decode-case: expected Hkv,Nk,{'|'.join(CACHE_DTYPES)}[,cold], got {text!r}")
     return int(parts[0]), int(parts[1]), parts[2], len(parts) == 4 and parts[3] == "cold"
 
 
@@ -249,11 +251,11 @@ def _bench_decode(args, cases, torch_run):
 def _print_decode_row(row, first):
     if first:
         print("\ndecode")
-        print(f"{'Hkv':>3} {'Nk':>6} {'cache':>7} {'mode':>9} | {'ms':>7} {'GB/s':>6} "
+        print(f"{'Hkv':>3} {'Nk':>6} {'cache':>8} {'mode':>9} | {'ms':>7} {'GB/s':>6} "
               f"{'stream':>6} {'of str':>6} | {'torch ms':>8} {'x torch':>7} | {'err':>7}")
     vs = f"{row['vs_torch']:7.2f}" if "vs_torch" in row else f"{'-':>7}"
     torch_ms = f"{row['torch_ms']:8.3f}" if "torch_ms" in row else f"{'-':>8}"
-    print(f"{row['Hkv']:>3} {row['Nk']:>6} {row['cache']:>7} {row['mode']:>9} | "
+    print(f"{row['Hkv']:>3} {row['Nk']:>6} {row['cache']:>8} {row['mode']:>9} | "
           f"{row['ms']:7.3f} {row['gbs']:6.1f} {row['stream_gbs']:6.1f} "
           f"{row['of_stream']:6.0%} | {torch_ms} {vs} | {row['err']:7.1e}", flush=True)
 
@@ -364,8 +366,8 @@ def main(argv=None):
     p_bench.add_argument("--shape", type=_parse_shape, action="append",
                          help="B,H,N,D,causal (repeatable); default: a one-minute set")
     p_bench.add_argument("--decode-case", type=_parse_decode_case, action="append",
-                         help="Hkv,Nk,float32|float16|int8[,cold] (repeatable): decode steps "
-                              "with Nq=1, Hq=8, D=64; default: a set of 7 (--long: 15)")
+                         help="Hkv,Nk,float32|float16|bfloat16|int8[,cold] (repeatable): decode "
+                              "steps with Nq=1, Hq=8, D=64; default: a set of 7 (--long: 16)")
     p_bench.add_argument("--long", action="store_true",
                          help="the whole sweep of shapes and decode cases (about 4 minutes "
                               "with the kernels cached)")
@@ -411,7 +413,7 @@ def warmup_command(args):
     names = warmup.job_names(args.dtype or ("float32",), args.kind)
     if not names:
         raise SystemExit("cpuflash warmup: no kernel family for these --dtype/--kind "
-                         f"(the decode-float16/-int8 families compute in float32)")
+                         f"(the decode-float16/-bfloat16/-int8 families compute in float32)")
     start = time.perf_counter()
     results = warmup.precompile(names, processes=args.processes or None)
     if not results:

@@ -1,4 +1,5 @@
-"""A preallocated K/V cache for incremental decoding, in float32/float64, float16 or int8.
+"""A preallocated K/V cache for incremental decoding, in float32/float64, float16, bfloat16 or
+int8.
 
 Storage is allocated once, in blocks of ``KEY_BLOCK`` (64) keys per layer, batch and head,
 each block one contiguous piece: K as ``(layers, B, Hkv, blocks, KEY_BLOCK // w, D, w)``, the
@@ -20,8 +21,14 @@ Nk=32768, K/V from DRAM, ms a step with blocks against rows: float32 1.06-1.25 a
 ``append`` writes new tokens in place and ``attention`` reads the blocks in place, so a decode
 step allocates nothing that grows with the cache; ``view`` gives K and V as arrays, copies
 where no strided view can show the blocks (K always, V where its panels are not whole rows).
-float16 and int8 caches are read in place and computed in float32 (the decode path of
+float16, bfloat16 and int8 caches are read in place and computed in float32 (the decode path of
 ``cpuflash.attention``).
+
+bfloat16 (``dtype="bfloat16"``; numpy has no such dtype) is stored as its int16 bits, each
+appended value rounded to the nearest bfloat16 of its float32 (ties to even, as torch's
+``.to(torch.bfloat16)``; float64 is rounded to float32 first). Half the bytes of float32, as
+float16, with float32's range (float16 overflows past 65504) and 8 significant bits to
+float16's 11. ``view`` gives its K and V as float32 (exact); its queries are float32.
 
 int8 is symmetric, one scale per token and head (``quantize_int8``): ``x ~= x8 * scale`` with
 ``scale = max|x| / 127`` over the head dim, so the rounding error of an element is at most
@@ -31,6 +38,7 @@ int8 is symmetric, one scale per token and head (``quantize_int8``): ``x ~= x8 *
 import numpy as np
 
 from . import _checks
+from ._cpu import bfloat16
 from ._cpu.decode import (KEY_BLOCK, arrays_of_blocks, key_panel_width, layer_blocks,
                           value_panel_width)
 from ._cpu.pack import aligned, on_line
@@ -40,6 +48,9 @@ from .sinks import check_for_queries
 
 STORAGE_DTYPES = (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16),
                   np.dtype(np.int8))
+# A bfloat16 cache's ``dtype`` (numpy has none): stored as its int16 bits (``_cpu/bfloat16.py``)
+BFLOAT16 = "bfloat16"
+_DTYPE_NAMES = "float32, float64, float16, 'bfloat16', int8"
 _STEP_OPTIONS = frozenset(("causal", "scale", "return_lse"))
 # A cache's step plans are kept until there are this many, then all dropped: room for every
 # layer of a deep model times the few kinds of step it runs (a plan is a list of the kernel's
@@ -85,6 +96,12 @@ def quantize_int8(x, *, name="x"):
     return x8, scale
 
 
+def _compute_dtype(storage):
+    """What a cache stored in ``storage`` is computed in: float32 for the 1- and 2-byte types
+    (int8, float16, bfloat16's int16 bits), else the storage's own."""
+    return np.dtype(np.float32) if storage.itemsize < 4 else storage
+
+
 def _on_a_line(x):
     """``x``, or a copy of it starting on a cache line where it does not (an unpickled or
     deep-copied storage starts where numpy put it)."""
@@ -111,8 +128,9 @@ class KVCache:
     >>> cache.append(layer, k_new, v_new)          # (B, Hkv, n_new, D): written in place
     >>> out = cache.attention(layer, q, causal=True)  # q (B, Hq, n_new, D) vs all tokens so far
 
-    ``dtype``: float32 or float64 (as the queries), float16 (half the bytes) or int8 (a quarter,
-    plus a float32 scale per token and head). Every layer has its own length: a layer's
+    ``dtype``: float32 or float64 (as the queries), float16 or ``"bfloat16"`` (half the bytes;
+    ``dtype`` is then that string) or int8 (a quarter, plus a float32 scale per token and
+    head). Every layer has its own length: a layer's
     ``append`` adds to that layer only, as a model's layers append one after another.
     """
 
@@ -122,25 +140,27 @@ class KVCache:
         kv_heads, max_len = _count("kv_heads", kv_heads), _count("max_len", max_len)
         head_dim = _count("head_dim", head_dim)
         v_head_dim = head_dim if v_head_dim is None else _count("v_head_dim", v_head_dim)
-        try:
-            dtype = np.dtype(dtype)
-        except TypeError as exc:
-            raise TypeError(f"dtype: expected one of float32, float64, float16, int8, "
-                            f"got {dtype!r}") from exc
-        if dtype not in STORAGE_DTYPES:
-            raise TypeError(f"dtype: expected one of float32, float64, float16, int8, got {dtype}")
-        self.dtype = dtype
+        if isinstance(dtype, str) and dtype == BFLOAT16:
+            storage = np.dtype(np.int16)
+        else:
+            try:
+                dtype = storage = np.dtype(dtype)
+            except TypeError as exc:
+                raise TypeError(f"dtype: expected one of {_DTYPE_NAMES}, got {dtype!r}") from exc
+            if dtype not in STORAGE_DTYPES:
+                raise TypeError(f"dtype: expected one of {_DTYPE_NAMES}, got {dtype}")
+        self.dtype = dtype  # a numpy dtype, or BFLOAT16
         self.max_len = max_len
         # On a cache line (pack.on_line): a large numpy array starts 16 bytes past one, and
         # every AVX-512 load of a K/V row would straddle two (measured: the chunk loop of a
         # float32 decode step about 5 % slower on one thread).
         n_blocks = -(-max_len // KEY_BLOCK)
-        compute = np.dtype(np.float32) if dtype.itemsize < 4 else dtype
+        compute = _compute_dtype(storage)
         w, u = key_panel_width(compute), value_panel_width(compute, v_head_dim)
         self.k_blocks = on_line((layers, batch, kv_heads, n_blocks, KEY_BLOCK // w, head_dim, w),
-                                dtype, zeroed=True)
+                                storage, zeroed=True)
         self.v_blocks = on_line((layers, batch, kv_heads, n_blocks, v_head_dim // u, KEY_BLOCK,
-                                 u), dtype, zeroed=True)
+                                 u), storage, zeroed=True)
         self._layers = self._layer_blocks()  # made once
         self.lengths = np.zeros(layers, dtype=np.int64)  # tokens held by each layer
         if dtype == np.int8:
@@ -172,7 +192,8 @@ class KVCache:
 
     def append(self, layer, k, v):
         """Write ``k`` (B, Hkv, n, D) and ``v`` (B, Hkv, n, Dv) after the layer's tokens, in
-        place (converted to the cache's dtype; int8 quantized per token and head). Raises
+        place (converted to the cache's dtype; bfloat16 rounded to nearest even; int8 quantized
+        per token and head). Raises
         ValueError, writing nothing, if the cache would overflow ``max_len``."""
         layer = self._layer(layer)
         _, n_b, n_h, _, _, d, w = self.k_blocks.shape
@@ -190,7 +211,10 @@ class KVCache:
             raise ValueError(f"cache overflow: layer {layer} holds {start} of max_len "
                              f"{self.max_len} tokens; appending {n_new} would exceed it")
         stop = start + n_new
-        if self.dtype == np.int8:
+        if isinstance(self.dtype, str):  # bfloat16: rounded to nearest even from float32
+            k, v = (bfloat16.from_float32(x.astype(np.float32, copy=False)).view(np.int16)
+                    for x in (k, v))
+        elif self.dtype == np.int8:
             (k, k_scale), (v, v_scale) = quantize_int8(k, name="k"), quantize_int8(v, name="v")
             self.k_scale[layer, :, :, start:stop] = k_scale
             self.v_scale[layer, :, :, start:stop] = v_scale
@@ -215,7 +239,8 @@ class KVCache:
         scales)``, ``k`` (B, Hkv, length, D) a copy (K is stored in blocks of keys, which no
         strided view can show), ``v`` (B, Hkv, length, Dv) a view where V's blocks hold whole
         rows, else a copy, and, for int8, ``scales = {"k_scale": ..., "v_scale": ...}`` views
-        (else ``{}``). ``attention`` reads the cache in place."""
+        (else ``{}``). A bfloat16 cache's ``k`` and ``v`` are float32 copies (numpy has no
+        bfloat16). ``attention`` reads the cache in place."""
         layer = self._layer(layer)
         n = self._length(layer)
         k, v = arrays_of_blocks(self._layers[layer], n)
@@ -228,8 +253,8 @@ class KVCache:
         """``cpuflash.attention(q, k, v, **options)`` over the layer's tokens so far (``causal``
         aligns the new queries to the end of the cache), reading the cache in place on the
         decode path (``Nq <= 16``; else K is copied out of its blocks first). float16/int8
-        caches are read with float32 ``q``; with a float32/float64 cache, ``q`` has the
-        cache's dtype.
+        caches are read with float32 ``q``, a bfloat16 cache only with float32 ``q``; with a
+        float32/float64 cache, ``q`` has the cache's dtype.
 
         A decode step with no option but ``causal``, ``scale`` and ``return_lse`` makes a step
         plan the first time its layer and kind of query (shape, dtype, ``causal``, ``scale``)
@@ -299,7 +324,7 @@ class KVCache:
 
     def _layer_blocks(self):
         """Each layer's blocks and the decode kernel's view of them (``layer_blocks``)."""
-        compute = np.dtype(np.float32) if self.dtype.itemsize < 4 else self.dtype
+        compute = _compute_dtype(self.k_blocks.dtype)
         return [layer_blocks(self.k_blocks[layer], self.v_blocks[layer], compute)
                 for layer in range(self.k_blocks.shape[0])]
 

@@ -30,6 +30,7 @@ JOBS = {
     "backward": ("float32", "float64"),
     "decode": ("float32", "float64"),
     "decode-float16": ("float32",),
+    "decode-bfloat16": ("float32",),
     "decode-int8": ("float32",),
 }
 

@@ -34,7 +34,7 @@ from numba import prange
 from numpy.lib.stride_tricks import as_strided
 
 from .. import config
-from . import simd
+from . import bfloat16, simd
 from ._jit import helper, kernel
 from .tasks import unravel
 from .dropout import dropout_row
@@ -707,8 +707,12 @@ def layer_blocks(k_blocks, v_blocks, dtype):
 
 def arrays_of_blocks(blocks, n_k):
     """The first ``n_k`` keys and values of a layer's ``Blocks`` as (B, Hkv, n_k, D) and (B,
-    Hkv, n_k, Dv) arrays (``keys_of_blocks``, ``values_of_blocks``)."""
-    return keys_of_blocks(blocks.k, n_k), values_of_blocks(blocks.v, n_k)
+    Hkv, n_k, Dv) arrays (``keys_of_blocks``, ``values_of_blocks``); a bfloat16 cache's (int16
+    bits) as float32 copies, exact (numpy has no bfloat16)."""
+    k, v = keys_of_blocks(blocks.k, n_k), values_of_blocks(blocks.v, n_k)
+    if k.dtype == np.int16:
+        k, v = bfloat16.to_float32(k.view(np.uint16)), bfloat16.to_float32(v.view(np.uint16))
+    return k, v
 
 
 def keys_of_blocks(k_blocks, n_k):

@@ -72,10 +72,12 @@ def _vec_ptr(builder, ptr, vty):
 
 
 # Storage types a K/V cache may have besides the compute dtype: float16 (passed as its uint16
-# bits: Numba has no float16 arrays) and int8 (quantized, scaled by the caller); and uint8, the
-# bytes of a bool mask. Loads convert to the compute type exactly (every float16, int8 and
-# uint8 value is a float32).
-STORAGE_TYPES = (types.float32, types.float64, types.uint16, types.int8, types.uint8)
+# bits: Numba has no float16 arrays), bfloat16 (as its int16 bits: numpy has no bfloat16 either;
+# only ``KVCache`` makes such arrays) and int8 (quantized, scaled by the caller); and uint8, the
+# bytes of a bool mask. Loads convert to the compute type exactly (every float16, bfloat16, int8
+# and uint8 value is a float32; a bfloat16 is a float32's upper half, so its bits shifted up).
+STORAGE_TYPES = (types.float32, types.float64, types.uint16, types.int16, types.int8,
+                 types.uint8)
 
 
 def _storage_ok(arrty, vt):
@@ -101,6 +103,10 @@ def _load_cvt(builder, ptr, arrty, lvt):
     raw = builder.load(_vec_ptr(builder, ptr, raw_ty), align=dtype.bitwidth // 8)
     if dtype == types.uint16:  # IEEE half bits
         return builder.fpext(builder.bitcast(raw, ir.VectorType(ir.HalfType(), n)), lvt)
+    if dtype == types.int16:  # bfloat16 bits
+        wide = builder.shl(builder.zext(raw, ir.VectorType(ir.IntType(32), n)),
+                           ir.Constant(ir.VectorType(ir.IntType(32), n), 16))
+        return builder.bitcast(wide, ir.VectorType(ir.FloatType(), n))
     if dtype == types.uint8:
         return builder.uitofp(raw, lvt)
     return builder.sitofp(raw, lvt)
@@ -115,6 +121,9 @@ def _load_cvt_scalar(builder, ptr, arrty, lty):
         return builder.fptrunc(raw, lty) if dtype == types.float64 else builder.fpext(raw, lty)
     if dtype == types.uint16:
         return builder.fpext(builder.bitcast(raw, ir.HalfType()), lty)
+    if dtype == types.int16:  # bfloat16 bits
+        wide = builder.shl(builder.zext(raw, ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
+        return builder.bitcast(wide, ir.FloatType())
     if dtype == types.uint8:
         return builder.uitofp(raw, lty)
     return builder.sitofp(raw, lty)
