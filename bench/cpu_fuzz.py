@@ -10,8 +10,8 @@ Each case is of one kind (``--kinds``, taken in turn):
   as views: heads and rows swapped in memory (a ``(B, N, H, D)`` buffer), reversed rows, every
   other column of a wider buffer, K/V broadcast over their heads (stride 0), the values
   unchanged;
-- ``cache``: a ``KVCache`` (float32, float64, float16 or int8; one or two layers; a D and a
-  Dv that its panels divide or not) filled by a prefill and a few appends, then
+- ``cache``: a ``KVCache`` (float32, float64, float16, bfloat16 or int8; one or two layers; a
+  D and a Dv that its panels divide or not) filled by a prefill and a few appends, then
   ``KVCache.attention`` with 1-16 queries (the decode path on the blocks) or 17-40 (the tiled
   path), against the reference on the cache's dequantized K/V (``KVCache.view``); a plain
   step also checked and then from its step plan, both bitwise equal to the general path;
@@ -54,7 +54,7 @@ from cpuflash import reference
 
 KINDS = ("decode", "tiled", "backward", "views", "cache", "varlen", "merge", "formats",
          "torch")
-CACHE_DTYPES = (np.float32, np.float64, np.float16, np.int8)
+CACHE_DTYPES = (np.float32, np.float64, np.float16, "bfloat16", np.int8)
 
 
 def random_case(rng, max_nk, kind="decode"):
@@ -437,9 +437,9 @@ def options(opts):
 def run_cache(rng, max_nk, tols):
     case = cache_case(rng, max_nk)
     cache, _, q, opts, k, v = case
-    what = ({"cache": cache.dtype.name, "q": q.shape, "k": k.shape, "v head dim": v.shape[3]},
+    what = ({"cache": str(cache.dtype), "q": q.shape, "k": k.shape, "v head dim": v.shape[3]},
             options(opts))
-    return check_cache(case, tols[q.dtype.name]), cache.dtype.name, what
+    return check_cache(case, tols[q.dtype.name]), str(cache.dtype), what
 
 
 def run_varlen(rng, max_nk, tols):

@@ -147,7 +147,8 @@ def main(argv=None):
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--prompt", type=int, default=512, help="prompt tokens")
     parser.add_argument("--new", type=int, default=32, help="tokens to generate")
-    parser.add_argument("--cache", default="float32", choices=["float32", "float16", "int8"])
+    parser.add_argument("--cache", default="float32",
+                        choices=["float32", "float16", "bfloat16", "int8"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sinks", action="store_true", help="attention sinks, as gpt-oss's")
     args = parser.parse_args(argv)
