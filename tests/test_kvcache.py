@@ -418,6 +418,8 @@ def test_bad_append(layer, k_shape, v_shape, exc, words):
     (np.float64, np.int8, "ok", TypeError, "q: expected float32 or float16"),
     (np.float32, np.float32, "ok", TypeError, "only for int8"),
     (np.float16, np.float32, None, TypeError, "expected one dtype"),
+    # int16 stands for bfloat16 bits inside the package (KVCache's storage) only
+    (np.float32, np.int16, None, TypeError, "k: expected dtype float16, float32, float64 or int8"),
     (np.float32, np.int8, "bad-shape", ValueError, "k_scale: expected shape"),
     (np.float32, np.int8, "bad-dtype", TypeError, "k_scale: expected dtype float32"),
 ])
