@@ -95,8 +95,8 @@ def torch_decode():
 
 def decode_cache(k, v, cache_dtype, layers=1):
     """``(cache, nbytes)``: a ``cpuflash.KVCache`` in ``cache_dtype`` ("float32", "float16",
-    "bfloat16", "int8") of ``layers`` layers, each holding ``k``, ``v``; and the unique bytes a decode
-    step over one layer reads (its keys, values and int8 scales)."""
+    "bfloat16", "int8") of ``layers`` layers, each holding ``k``, ``v``; and the unique bytes a
+    decode step over one layer reads (its keys, values and int8 scales)."""
     import cpuflash
     n_b, n_h, n_k, d = k.shape
     cache = cpuflash.KVCache(layers, n_b, n_h, n_k, d, v_head_dim=v.shape[3], dtype=cache_dtype)

@@ -130,8 +130,8 @@ class KVCache:
 
     ``dtype``: float32 or float64 (as the queries), float16 or ``"bfloat16"`` (half the bytes;
     ``dtype`` is then that string) or int8 (a quarter, plus a float32 scale per token and
-    head). Every layer has its own length: a layer's
-    ``append`` adds to that layer only, as a model's layers append one after another.
+    head). Every layer has its own length: a layer's ``append`` adds to that layer only, as a
+    model's layers append one after another.
     """
 
     def __init__(self, layers, batch, kv_heads, max_len, head_dim, *, v_head_dim=None,
@@ -193,8 +193,8 @@ class KVCache:
     def append(self, layer, k, v):
         """Write ``k`` (B, Hkv, n, D) and ``v`` (B, Hkv, n, Dv) after the layer's tokens, in
         place (converted to the cache's dtype; bfloat16 rounded to nearest even; int8 quantized
-        per token and head). Raises
-        ValueError, writing nothing, if the cache would overflow ``max_len``."""
+        per token and head). Raises ValueError, writing nothing, if the cache would overflow
+        ``max_len``."""
         layer = self._layer(layer)
         _, n_b, n_h, _, _, d, w = self.k_blocks.shape
         u = self.v_blocks.shape[6]

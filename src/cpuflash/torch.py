@@ -35,9 +35,10 @@ Beyond torch (keyword-only, cpuflash's semantics, see ``cpuflash.attention``): `
 (attention sinks, a float tensor (Hq,) or (B, Hq) as gpt-oss's, differentiable).
 
 dtypes: float32, float64 (on the CPU only), float16 and bfloat16, the last two computed in
-float32. bfloat16 has no numpy dtype: such a tensor is widened to float32 by torch (exactly:
-every bfloat16 is a float32; a copy, O(N)) and the results are rounded back to bfloat16 once,
-to nearest even. q, k and v must be all bfloat16 or none (a mix raises TypeError, as any mix
+float32. bfloat16 has no numpy dtype: such a tensor is widened to float32 (exactly: every
+bfloat16 is a float32; a copy, O(N)) and the results are rounded back to bfloat16 once, to
+nearest even, bit for bit as torch's ``.to(torch.bfloat16)``; on the CPU both by the kernels'
+threads (``_cpu/bfloat16.py``), on the GPU by torch. q, k and v must be all bfloat16 or none (a mix raises TypeError, as any mix
 of dtypes); a bfloat16 ``attn_mask``, ``alibi_slopes`` or ``sinks`` is widened the same way.
 The backward pass keeps the float32 output and lse, not the rounded output.
 
