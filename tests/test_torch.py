@@ -181,6 +181,30 @@ def test_bfloat16_is_computed_in_float32_and_rounded_once():
     assert ours <= theirs and ours <= 2.0**-8 * np.abs(ref).max()
 
 
+def test_bfloat16_buffers_live_only_within_a_call():
+    """Widened q, k, v (and dout) go to buffers that the next call reuses: two layers' forward
+    calls before either backward pass, each with a bfloat16 mask kept for its backward, give
+    each layer's gradients as a call of its own does."""
+    def layer_inputs(seed):
+        q, k, v = (x.detach().bfloat16() for x in tensors((1, 2, 20, 8), (1, 2, 20, 8),
+                                                          (1, 2, 20, 8), seed=seed))
+        mask = torch.randn(20, 20, generator=torch.Generator().manual_seed(seed)).bfloat16()
+        return [x.requires_grad_() for x in (q, k, v)], mask
+
+    def grads_alone(seed, weight):
+        (q, k, v), mask = layer_inputs(seed)
+        out = ct.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        (weight * out.float()).sum().backward()
+        return [x.grad for x in (q, k, v)]
+
+    (a, mask_a), (b, mask_b) = layer_inputs(1), layer_inputs(2)
+    out_a = ct.scaled_dot_product_attention(*a, attn_mask=mask_a)
+    out_b = ct.scaled_dot_product_attention(*b, attn_mask=mask_b)
+    (out_a.float().sum() + 2 * out_b.float().sum()).backward()
+    for got, want in zip([x.grad for x in a + b], grads_alone(1, 1) + grads_alone(2, 2)):
+        assert torch.equal(got, want)
+
+
 def test_inputs_are_not_copied():
     base = torch.randn(1, 40, 2, 3, 8)
     q = base[..., 0, :].transpose(1, 2)  # strided view

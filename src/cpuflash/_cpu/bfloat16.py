@@ -11,6 +11,7 @@ bfloat16 call took 35.2 ms against 31.2 ms for float32, where the conversions al
 import numpy as np
 from numba import prange
 
+from . import pack
 from ._jit import kernel
 
 BFLOAT16_NAN = 0x7FC0  # what a NaN rounds to (torch's scalar conversion: sign and payload lost)
@@ -50,10 +51,12 @@ def narrow(wide, bits):
             bits[i] = (w + 0x7FFF + ((w >> 16) & 1)) >> 16
 
 
-def to_float32(bits):
+def to_float32(bits, workspace=None):
     """The float32 values of the uint16 bfloat16 patterns ``bits`` (0-D to 4-D, any strides),
-    as a new C-ordered array."""
-    wide = np.empty(bits.shape, dtype=np.uint32)
+    as a new C-ordered array; or in this thread's ``pack.workspace`` of that name, which the
+    next call for the name overwrites (its pages faulted in once, not on every call)."""
+    wide = (np.empty(bits.shape, dtype=np.uint32) if workspace is None
+            else pack.workspace(workspace, bits.shape, np.uint32))
     if bits.flags.c_contiguous:
         widen_flat(bits.reshape(-1), wide.reshape(-1))
     else:
