@@ -10,19 +10,20 @@ torch = pytest.importorskip("torch")
 
 
 def test_every_pattern_widens_as_torch():  # contiguous: widen_flat
-    bits = np.arange(1 << 16, dtype=np.uint16)
-    want = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).float().numpy()
+    bits = np.arange(1 << 16, dtype=np.uint16).view(bfloat16.BITS)
+    want = torch.from_numpy(bits).view(torch.bfloat16).float().numpy()
     got = bfloat16.to_float32(bits)
     assert got.dtype == np.float32 and np.array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
 @pytest.mark.parametrize("shape", [(), (3,), (4, 5), (2, 3, 4)])
 def test_widen_reads_any_strides(shape):
-    bits = np.random.default_rng(1).integers(0, 1 << 16, (7,) + shape, dtype=np.uint16)
+    bits = np.random.default_rng(1).integers(-(1 << 15), 1 << 15, (7,) + shape,
+                                             dtype=bfloat16.BITS)
     view = np.moveaxis(bits, 0, -1)[..., ::2]  # strided, on the last axis too
     got = bfloat16.to_float32(view)
     assert got.shape == view.shape and got.flags.c_contiguous
-    assert np.array_equal(got.view(np.uint32), view.astype(np.uint32) << 16)
+    assert np.array_equal(got.view(np.uint32), view.view(np.uint16).astype(np.uint32) << 16)
 
 
 def test_rounding_matches_torch():
@@ -35,7 +36,7 @@ def test_rounding_matches_torch():
     x = x.view(np.float32)
     x = np.where(np.isnan(x), np.float32(1.5), x).reshape(4, -1)
     got = bfloat16.from_float32(x)
-    want = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    want = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy()
     assert got.shape == x.shape and np.array_equal(got, want)
     assert bfloat16.from_float32(np.array([np.nan, -np.nan], np.float32)).tolist() == [
         bfloat16.BFLOAT16_NAN] * 2

@@ -1,4 +1,5 @@
 """The command line: `cpuflash bench` and `cpuflash info` on tiny shapes, and bad options."""
+import argparse
 import json
 import os
 import subprocess
@@ -132,6 +133,12 @@ def test_warmup_choices(option):
 def test_bad_shape_option(option):
     with pytest.raises(SystemExit):
         cli.main(["bench", *option])
+
+
+def test_decode_case_takes_every_cache_dtype():
+    assert cli._parse_decode_case("2,300,bfloat16,cold") == (2, 300, "bfloat16", True)
+    with pytest.raises(argparse.ArgumentTypeError, match=r"float32\|float16\|bfloat16\|int8"):
+        cli._parse_decode_case("2,300,bf16")
 
 
 def test_python_dash_m_runs():

@@ -230,9 +230,8 @@ def test_keys_in_blocks_across_block_edges(dtype):
         np.testing.assert_array_equal(scales["k_scale"], k_scale)
         np.testing.assert_array_equal(scales["v_scale"], v_scale)
     elif dtype == "bfloat16":  # the nearest bfloat16s, stored as their bits
-        want_k, want_v = (bfloat16.from_float32(x).view(np.int16) for x in (k, v))
-        stored_k, stored_v = (bfloat16.from_float32(x).view(np.int16) for x in (stored_k,
-                                                                                 stored_v))
+        want_k, want_v = (bfloat16.from_float32(x) for x in (k, v))
+        stored_k, stored_v = (bfloat16.from_float32(x) for x in (stored_k, stored_v))
     else:
         want_k, want_v = k.astype(dtype), v.astype(dtype)
     np.testing.assert_array_equal(stored_k, want_k)
@@ -544,7 +543,7 @@ def test_bfloat16_cache_rounds_as_torch_and_keeps_what_float32_holds():
                     [np.inf, -np.inf, 2.0**-130, 0.1]]]])  # float64
     v = np.array([[[[np.nan, 0.0, -0.0, 1.0], [65520.0, 1.5, 2.0, 3.0]]]], dtype=np.float32)
     cache.append(0, k, v)
-    assert cache.dtype == "bfloat16" and cache.k_blocks.dtype == np.int16
+    assert cache.dtype == "bfloat16" and cache.k_blocks.dtype == bfloat16.BITS
     stored_k, stored_v, scales = cache.view(0)
     assert stored_k.dtype == stored_v.dtype == np.float32 and scales == {}
     want_k = bfloat16.to_float32(bfloat16.from_float32(k.astype(np.float32)))

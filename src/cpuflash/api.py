@@ -6,6 +6,7 @@ import numba
 
 from . import _checks, config, masks
 from . import sinks as _sinks
+from ._cpu import bfloat16
 from ._cpu.backward import run_backward
 from ._cpu.decode import ARG, MAX_NQ, StepPlan, arrays_of_blocks, decode, decode_args
 from ._cpu.forward import run_forward
@@ -89,7 +90,7 @@ def attention_on_blocks(q, kv_blocks, n_k, options):
     keys. The decode path reads the blocks in place; any other gets K and V as arrays. The
     checks are ``attention``'s, on stand-ins for K and V of their shapes and dtype that hold no
     memory."""
-    if kv_blocks.k.dtype == np.int16 and isinstance(q, np.ndarray) and q.dtype != np.float32:
+    if kv_blocks.k.dtype == bfloat16.BITS and isinstance(q, np.ndarray) and q.dtype != np.float32:
         raise TypeError(f"q: expected float32 with a bfloat16 K/V cache, got {q.dtype}")
     k, v = _block_stand_ins(kv_blocks, n_k)
     if options.keys() <= _PLAIN_ON_BLOCKS:
@@ -115,7 +116,7 @@ def _block_stand_ins(kv_blocks, n_k):
     the blocks themselves, and every other path gets them as float32 (``arrays_of_blocks``)."""
     n_b, n_hkv, _, _, d, _ = kv_blocks.k.shape
     dv = kv_blocks.v.shape[3] * kv_blocks.v.shape[5]
-    dtype = np.float16 if kv_blocks.k.dtype == np.int16 else kv_blocks.k.dtype
+    dtype = np.float16 if kv_blocks.k.dtype == bfloat16.BITS else kv_blocks.k.dtype
     return _stand_in((n_b, n_hkv, n_k, d), dtype), _stand_in((n_b, n_hkv, n_k, dv), dtype)
 
 

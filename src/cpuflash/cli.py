@@ -33,6 +33,7 @@ BACKWARD_SHAPES = [
 ]
 LONG_BACKWARD_SHAPES = BACKWARD_SHAPES + [
     (1, 8, 8192, 64, True), (1, 8, 512, 64, True), (1, 8, 8192, 64, False)]
+CACHE_DTYPES = ("float32", "float16", "bfloat16", "int8")  # KVCache's, as --decode-case names
 # (Hkv, Nk, cache dtype, cold) of decode steps: Nq=1, Hq=8, D=64; cold = a model's worth of
 # layers whose K/V together exceed the L3 cache, so that they stream from DRAM.
 DECODE_CASES = ([(2, 4096, "float32", False), (8, 32768, "float32", False)]
@@ -40,9 +41,7 @@ DECODE_CASES = ([(2, 4096, "float32", False), (8, 32768, "float32", False)]
                 + [(2, 32768, cache, True) for cache in ("float32", "float16")])
 LONG_DECODE_CASES = ([(h_kv, n_k, cache, False) for n_k in (4096, 32768) for h_kv in (8, 2)
                       for cache in ("float32", "float16", "int8")]
-                     + [(2, 32768, cache, True)
-                        for cache in ("float32", "float16", "bfloat16", "int8")])
-CACHE_DTYPES = ("float32", "float16", "bfloat16", "int8")  # KVCache's, as --decode-case names
+                     + [(2, 32768, cache, True) for cache in CACHE_DTYPES])
 # Seconds of side-by-side rounds per forward shape before it stops short of --repeats: the
 # best of 3 at N=8192 (1.3 s a round with torch), of all 5 below.
 FORWARD_BUDGET_S = 3.0

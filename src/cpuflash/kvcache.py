@@ -141,7 +141,7 @@ class KVCache:
         head_dim = _count("head_dim", head_dim)
         v_head_dim = head_dim if v_head_dim is None else _count("v_head_dim", v_head_dim)
         if isinstance(dtype, str) and dtype == BFLOAT16:
-            storage = np.dtype(np.int16)
+            storage = bfloat16.BITS
         else:
             try:
                 dtype = storage = np.dtype(dtype)
@@ -212,8 +212,7 @@ class KVCache:
                              f"{self.max_len} tokens; appending {n_new} would exceed it")
         stop = start + n_new
         if isinstance(self.dtype, str):  # bfloat16: rounded to nearest even from float32
-            k, v = (bfloat16.from_float32(x.astype(np.float32, copy=False)).view(np.int16)
-                    for x in (k, v))
+            k, v = (bfloat16.from_float32(x.astype(np.float32, copy=False)) for x in (k, v))
         elif self.dtype == np.int8:
             (k, k_scale), (v, v_scale) = quantize_int8(k, name="k"), quantize_int8(v, name="v")
             self.k_scale[layer, :, :, start:stop] = k_scale

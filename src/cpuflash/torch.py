@@ -55,7 +55,6 @@ Measured on 2 busy cores, cpuflash's forward at N=512 interleaved with torch's S
 slower without it; with it, as fast as torch or up to 1.3x faster.
 """
 
-import numpy as np
 import torch
 from torch.autograd.function import once_differentiable
 
@@ -67,18 +66,24 @@ __all__ = ["FlashAttentionFunction", "scaled_dot_product_attention"]
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _numpy_view(name, t, passing=False):
-    """What cpuflash reads of a float tensor, with no copy for any strides: a numpy view of a
-    CPU tensor's memory, or the CUDA tensor itself (detached). bfloat16, which numpy lacks,
-    is read as a float32 copy (``_widened``); ``passing``: one that no one keeps past the call
-    it is made for (q, k, v, dout), in a buffer the next call reuses."""
+def _checked(name, t):
+    """``t`` detached, where it is a float tensor that cpuflash reads; else the error naming
+    ``name``."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if t.device.type not in ("cpu", "cuda"):
         raise ValueError(f"{name}: expected a CPU or CUDA tensor, got device {t.device}")
     if t.dtype not in _DTYPES:
         raise TypeError(f"{name}: expected float16, bfloat16, float32 or float64, got {t.dtype}")
-    t = _widened(t.detach(), f"bfloat16 {name}" if passing else None)
+    return t.detach()
+
+
+def _numpy_view(name, t, passing=False):
+    """What cpuflash reads of a float tensor (``_checked``), with no copy for any strides: a
+    numpy view of a CPU tensor's memory, or the CUDA tensor itself. bfloat16, which numpy
+    lacks, is read as a float32 copy (``_widened``); ``passing``: one that no one keeps past the
+    call it is made for (q, k, v, dout), in a buffer the next call reuses."""
+    t = _widened(_checked(name, t), f"bfloat16 {name}" if passing else None)
     return t if t.is_cuda else t.numpy()
 
 
@@ -96,9 +101,9 @@ def _widened(t, workspace=None):
     one_copy = t[tuple(slice(0, 1) if step == 0 else slice(None) for step in t.stride())]
     if one_copy.is_cuda or one_copy.ndim > 4:
         wide = one_copy.float()
-    else:  # int16 and uint16 views of the same bits (torch has no uint16 views to numpy)
-        wide = torch.from_numpy(bfloat16.to_float32(
-            one_copy.view(torch.int16).numpy().view(np.uint16), workspace))
+    else:
+        wide = torch.from_numpy(bfloat16.to_float32(one_copy.view(torch.int16).numpy(),
+                                                    workspace))
     return wide.expand(t.shape)
 
 
@@ -106,9 +111,9 @@ def _result_dtype(query, key, value):
     """The dtype cpuflash's results are given back in: bfloat16 where q, k and v are (they are
     computed in float32 and rounded once), else None (the results' own dtype, q's). A mix of
     bfloat16 with another dtype raises TypeError, as ``cpuflash.attention`` does for any mix."""
-    dtypes = {"query": query.dtype, "key": key.dtype, "value": value.dtype}
-    if torch.bfloat16 not in dtypes.values():
+    if torch.bfloat16 not in (query.dtype, key.dtype, value.dtype):
         return None
+    dtypes = {"query": query.dtype, "key": key.dtype, "value": value.dtype}
     if len(set(dtypes.values())) > 1:
         given = ", ".join(f"{n}={d}" for n, d in dtypes.items())
         raise TypeError(f"query, key, value: expected one dtype, got {given} (cast "
@@ -123,8 +128,7 @@ def _rounded(t, dtype):
         return t
     if t.is_cuda:
         return t.to(dtype)
-    bits = bfloat16.from_float32(t.numpy())
-    return torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(bfloat16.from_float32(t.numpy())).view(torch.bfloat16)
 
 
 def _tensor(x):
@@ -258,15 +262,15 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     """``torch.nn.functional.scaled_dot_product_attention`` computed by cpuflash, for CPU or
     CUDA tensors; differentiable in ``query``, ``key``, ``value`` (and ``sinks``). See the module
     docstring for the semantics, the causal alignment and the extra keyword options."""
-    # bfloat16 is widened here (into buffers the next call reuses) and, for a call with
-    # gradients, once more by the Function's forward: 0.36 ms of a 110 ms forward + backward at
-    # B=1 H=8 N=2048 D=64
-    qn, kn, vn = (_numpy_view(name, x, passing=True)
-                  for name, x in (("query", query), ("key", key), ("value", value)))
-    plan = _Plan(qn, kn, attn_mask, is_causal, scale, enable_gqa, dropout_p, window,
+    # checked here, read (views; bfloat16 widened) once, by the path that computes: the plan
+    # takes only their shapes
+    q, k, _ = (_checked(name, x) for name, x in (("query", query), ("key", key), ("value", value)))
+    plan = _Plan(q, k, attn_mask, is_causal, scale, enable_gqa, dropout_p, window,
                  alibi_slopes, softcap, seed, sinks, _result_dtype(query, key, value))
     inputs = (query, key, value) if sinks is None else (query, key, value, sinks)
     if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
         return FlashAttentionFunction.apply(query, key, value, plan, sinks)
+    qn, kn, vn = (_numpy_view(name, x, passing=True)
+                  for name, x in (("query", query), ("key", key), ("value", value)))
     out = api.attention(qn, plan.keys(kn), plan.keys(vn), **plan.opts)
     return _rounded(_tensor(out), plan.result_dtype)

@@ -710,8 +710,8 @@ def arrays_of_blocks(blocks, n_k):
     Hkv, n_k, Dv) arrays (``keys_of_blocks``, ``values_of_blocks``); a bfloat16 cache's (int16
     bits) as float32 copies, exact (numpy has no bfloat16)."""
     k, v = keys_of_blocks(blocks.k, n_k), values_of_blocks(blocks.v, n_k)
-    if k.dtype == np.int16:
-        k, v = bfloat16.to_float32(k.view(np.uint16)), bfloat16.to_float32(v.view(np.uint16))
+    if k.dtype == bfloat16.BITS:
+        k, v = bfloat16.to_float32(k), bfloat16.to_float32(v)
     return k, v
 
 
