@@ -5,10 +5,11 @@ sinks. The earlier package is ``git archive``d into a temporary directory as ``c
 calls compile (a minute or two).
 
 Cases: ``KVCache.attention`` decode steps (Nq=1, D=64; Hq=8 Hkv=2 at Nk=64 and 32768, GPT-2
-small's Hq=Hkv=12 at Nk=1024) and forward calls (H=8, D=64; N=2048, causal N=2048, N=512).
+small's Hq=Hkv=12 at Nk=1024) and forward calls (D=64; H=8 N=2048, causal N=2048, N=512; a
+GPT-2-small layer's causal prompts, H=12 N=64 and 256). ``--forward-only``: those alone.
 A/A spread: two identical caches differ by up to 1.5 % (stop 57). Not collected by pytest.
 
-    python bench/cpu_ab.py --base REV [--rounds 300]
+    python bench/cpu_ab.py --base REV [--rounds 300] [--forward-only]
 """
 import argparse
 import pathlib
@@ -23,14 +24,18 @@ from cpuflash._measure import medians_side_by_side
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 STEPS = ((8, 2, 64), (8, 2, 32768), (12, 12, 1024))  # (Hq, Hkv, Nk)
-FORWARDS = ((2048, False), (2048, True), (512, False))  # (N, causal)
+FORWARDS = ((8, 2048, False), (8, 2048, True), (8, 512, False), (12, 64, True),
+            (12, 256, True))  # (H, N, causal)
+SHORT = 512  # forward calls up to this N run ``--rounds`` times, longer ones a quarter of it
 
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--base", required=True, help="the commit to compare against")
     p.add_argument("--rounds", type=int, default=300,
-                   help="decode steps of each, alternating (forward calls: rounds // 8)")
+                   help="decode steps of each, alternating (forward calls: as many up to "
+                        "N=512, rounds // 8 beyond)")
+    p.add_argument("--forward-only", action="store_true", help="no decode steps")
     a = p.parse_args(argv)
     if a.rounds < 8:
         p.error(f"--rounds must be at least 8, got {a.rounds}")
@@ -87,7 +92,7 @@ def main(argv=None):
               "sinks: what they add, and the largest difference of out and lse between the two")
         print(f"{'case':>30} | {'bits':>4} {'base':>9} {'new':>9} {'ratio':>6} | "
               f"{'+s base':>8} {'+s new':>8} {'diff':>9}")
-        for n_hq, n_hkv, n_k in STEPS:
+        for n_hq, n_hkv, n_k in () if a.forward_only else STEPS:
             kv = [rng.standard_normal((1, n_hkv, n_k, 64)).astype(np.float32) for _ in range(2)]
             caches = {}
             for mod in mods:
@@ -97,11 +102,12 @@ def main(argv=None):
             compare(f"step Hq={n_hq} Hkv={n_hkv} Nk={n_k}", mods,
                     lambda mod, s: caches[mod].attention(0, q, **options(s)),
                     rng.standard_normal(n_hq).astype(np.float32), a.rounds, "us", 1e6)
-        for n, causal in FORWARDS:
-            q, k, v = (rng.standard_normal((1, 8, n, 64)).astype(np.float32) for _ in range(3))
-            compare(f"forward N={n}{' causal' if causal else ''}", mods,
+        for n_h, n, causal in FORWARDS:
+            q, k, v = (rng.standard_normal((1, n_h, n, 64)).astype(np.float32) for _ in range(3))
+            compare(f"forward H={n_h} N={n}{' causal' if causal else ''}", mods,
                     lambda mod, s: mod.attention(q, k, v, causal=causal, **options(s)),
-                    rng.standard_normal(8).astype(np.float32), a.rounds // 8, "ms", 1e3)
+                    rng.standard_normal(n_h).astype(np.float32),
+                    *((a.rounds, "us", 1e6) if n <= SHORT else (a.rounds // 8, "ms", 1e3)))
 
 
 if __name__ == "__main__":

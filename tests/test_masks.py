@@ -392,13 +392,14 @@ def test_mask_tile_sets_exactly_the_keys_outside_each_rows_band(portable, band, 
     (0, 128, 0, 256, 90, 10**9, 10**9), (64, 128, 128, 512, 512, 30, 5),
     (0, 128, 128, 256, 256, 10**9, 0), (0, 70, 0, 70, 60, 10**9, 0)], ids=str)
 def test_band_scores_leave_the_masked_tile_as_the_whole_product_does(banded, portable, case):
-    """``forward.band_scores`` skips, per run of micro-tile row blocks (``band_runs``), the key
-    panels past the last key one of its rows sees; after ``mask_tile`` the tile is the same,
-    bit for bit, as the whole product's (``tile_product_max``), the skipped scores' garbage
-    (NaN here) included; not ``banded``, it is the whole product itself."""
+    """``forward.band_scores`` skips, per run of micro-tile row blocks (``band_runs``), the
+    vectors of keys past the last key one of its rows sees (since stop 61; whole panels
+    before); after ``mask_tile`` the tile is the same, bit for bit, as the whole product's
+    (``tile_product_max``), the skipped scores' garbage (NaN here) included; not ``banded``, it
+    is the whole product itself. A causal diagonal tile has runs that end inside a panel."""
     from cpuflash import config
     from cpuflash._cpu.forward import band_scores
-    from cpuflash._cpu.masking import band_runs, mask_tile, panel_runs
+    from cpuflash._cpu.masking import band_runs, mask_tile
     from cpuflash._cpu.tiles import tile_product_max
     q0, rows, k0, n_q, n_k, left, right = case
     bq, block_k, d = 128, 2 * config.panel_width(np.dtype(np.float32)), 32
@@ -415,12 +416,11 @@ def test_band_scores_leave_the_masked_tile_as_the_whole_product_does(banded, por
         tile_max = np.empty(bq, dtype=np.float32)
         if by_band:
             runs = np.empty((bq // config.MICRO_ROWS + 1, 3), dtype=np.int64)
-            by_panel = np.empty_like(runs)
             n_runs = band_runs(runs, bq, banded, rows, q0, k0, n_q, n_k, left, right, block_k,
                                lanes)  # in vectors of keys, as the forward kernel's
-            n_by_panel = panel_runs(runs, n_runs, block_k // 2, by_panel)
-            band_scores(s, ld_s, q_s, d, kt, 0, by_panel, n_by_panel, row_vmax, tile_max,
-                        portable)
+            band_scores(s, ld_s, q_s, d, kt, 0, runs, n_runs, row_vmax, tile_max, portable)
+            if banded and case == (0, 128, 0, 512, 512, 10**9, 0):  # causal diagonal
+                assert (runs[:n_runs, 2] % (block_k // 2) != 0).any()
         else:
             tile_product_max(s, 0, ld_s, q_s, 0, d, 1, kt, 0, d, bq, block_k, d, row_vmax,
                              tile_max, portable)
@@ -450,9 +450,9 @@ def test_band_runs_cover_the_rows_in_order_by_their_panels(case):
     """``masking.band_runs``: runs of whole micro-tile row blocks that cover ``[0, bq)`` in
     order, each block's ``band_columns`` its run's ``need``, neighbouring runs unequal (as long
     as they can be); a tile not banded is one run of every row and column. Runs in vectors of
-    keys, taken together by ``panel_runs``, are the runs in panels."""
+    keys (the forward's) are the runs in panels (the backward's) cut finer."""
     from cpuflash import config
-    from cpuflash._cpu.masking import band_columns, band_runs, panel_runs
+    from cpuflash._cpu.masking import band_columns, band_runs
     q0, rows, k0, n_q, n_k, left, right = case
     mr, width = config.MICRO_ROWS, config.panel_width(np.dtype(np.float32))
     bq, block_k = -(-rows // mr) * mr, 2 * width
@@ -468,13 +468,14 @@ def test_band_runs_cover_the_rows_in_order_by_their_panels(case):
                                 width) == need
     n = band_runs(runs, bq, False, rows, q0, k0, n_q, n_k, left, right, block_k, width)
     assert n == 1 and list(runs[0]) == [0, bq, block_k]
-    # runs in vectors of keys, taken together by panels (panel_runs), are the runs in panels
+    # runs in vectors of keys: each needs whole vectors, within its panel run's panels
     lanes = config.LANES_F32
-    by_vector, by_panel = np.full_like(runs, -1), np.full_like(runs, -1)
+    by_vector = np.full_like(runs, -1)
     n_v = band_runs(by_vector, bq, True, rows, q0, k0, n_q, n_k, left, right, block_k, lanes)
     assert np.all(by_vector[:n_v, 2] % lanes == 0) and n_v >= len(got)
-    n_p = panel_runs(by_vector, n_v, width, by_panel)
-    np.testing.assert_array_equal(by_panel[:n_p], got)
+    for r0, r1, need in by_vector[:n_v]:
+        panel_run = got[(got[:, 0] <= r0) & (r1 <= got[:, 1])]
+        assert len(panel_run) == 1 and -(-need // width) * width == panel_run[0, 2]
 
 
 @pytest.mark.parametrize("n_q,n_k,options", [

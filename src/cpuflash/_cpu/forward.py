@@ -41,7 +41,7 @@ from .tasks import new_claims, next_task, num_threads, run_shared
 from .decode import MAX_NQ, NO_SINKS, arrays_of_blocks, run_decode, sink_of
 from ..masks import UserMask
 from .pack import empty, output, packed_kv, packed_varlen, scratch
-from .masking import (HIDDEN, MIXED, apply_user_mask, band_runs, mask_tile, panel_runs,
+from .masking import (HIDDEN, MIXED, apply_user_mask, band_runs, mask_tile,
                       tile_key_range, tile_needs_mask)
 from .dropout import dropout_row
 from .scores import modify_row
@@ -68,10 +68,11 @@ def balanced_order(j, n):
 @helper
 def band_scores(s, ld_s, q_s, d, kt_flat, k_off, runs, n_runs, row_vmax, tile_max, portable):
     """``tile_product_max`` over a key tile, once per run of row blocks (``runs``: the
-    ``(r0, r1, need)`` of ``masking.band_runs`` in steps of a panel, ``panel_runs``; on a tile
-    that crosses no mask edge, one run of every row and key), each over only the panels up to
-    the last key one of its rows sees: on a causal diagonal tile of 128 rows and 128 keys, the
-    first 64 rows see none of the second panel, a quarter of the tile's product. The scores
+    ``(r0, r1, need)`` of ``masking.band_runs`` in steps of a vector of keys, as P V takes
+    them; on a tile that crosses no mask edge, one run of every row and key), each over only
+    the vectors of keys up to the last key one of its rows sees: on a causal diagonal tile of
+    128 rows and 128 keys (AVX-512), 72 keys a row on average in place of 128 (96 in steps of a
+    panel, as until stop 61), on a 64-token prompt's one tile 40 in place of 64. The scores
     left out are all outside their rows' bands, and ``mask_tile`` sets every such score to
     ``-inf`` next, so the masked tile is the same, bit for bit; its row maxima are then read
     again from it (``max_given`` false), not taken from here. Padding rows past ``rows``, which
@@ -79,7 +80,12 @@ def band_scores(s, ld_s, q_s, d, kt_flat, k_off, runs, n_runs, row_vmax, tile_ma
     the product for every run: each call inlines its micro-kernels, and with a second call in
     the kernel the float32 forward's cold compile took 2.7-4.8 s longer than without
     ``band_scores`` (22.8 s against 18.0-20.1), with this one call 0.7-2.3 s longer (stop 51,
-    alternating processes, each with an empty cache)."""
+    alternating processes, each with an empty cache). Runs that end inside a panel take a
+    product of their own in ``tile_product_max`` (micro-kernels of 1-3 vectors), so whole
+    tiles run stop 60's code: against stop 60's package, one process, calls in alternating
+    order, medians of the ratios, a GPT-2-small layer's 64-token prompt (H=12, causal) took
+    0.957x and 0.956x the time; N=2048 0.997x and 0.999x, causal 1.000x and 0.999x, N=512
+    1.000x (stop 61; the float32 forward's cold compile 12.1 s)."""
     for i in range(n_runs):
         r0, r1, need = runs[i, 0], runs[i, 1], runs[i, 2]
         if need > 0:
@@ -143,7 +149,6 @@ def forward(q, kt, vt, n_hkv, block_q, scale, left, right, seqs, kv_lens, softca
     # alias in L1 and in the store-to-load forwarding of the tile products.
     lanes = simd.lanes_of(out_flat)
     ld_s = block_k + lanes
-    width = config.MICRO_VECS * lanes  # a key panel
     modify = softcap != 0.0 or np.any(slopes != 0.0)
     no_t = np.empty(0, dtype=out_flat.dtype)
     n_k_all = mask_bools.shape[3]
@@ -163,7 +168,6 @@ def forward(q, kt, vt, n_hkv, block_q, scale, left, right, seqs, kv_lens, softca
         pv = np.empty(block_q * dv_pad if PORTABLE else 0, dtype=out_flat.dtype)  # portable
         row_vmax = scratch(block_q * simd.lanes_of(out_flat), out_flat)
         runs = np.empty((block_q // config.MICRO_ROWS + 1, 3), dtype=np.int64)  # band_runs
-        runs_by_panel = np.empty_like(runs)  # panel_runs
         for _ in range(n_tasks):
             task = next_task(claims, worker, n_workers, n_tasks)
             if task < 0:
@@ -192,14 +196,12 @@ def forward(q, kt, vt, n_hkv, block_q, scale, left, right, seqs, kv_lens, softca
                 k_off = (tile0 + kb) * tile_k
                 v_off = (tile0 + kb) * tile_v
                 masked = tile_needs_mask(q0, q0 + rows, k0, block_k, n_q, n_k, left, right)
-                # S = Q K^T with its row maxima; on a masked tile only the key panels each run
-                # of row blocks may see (band_scores; the runs by vectors of keys for P V, taken
-                # together by panels for S)
+                # S = Q K^T with its row maxima; on a masked tile only the vectors of keys each
+                # run of row blocks may see (band_scores; the same runs for P V below)
                 n_runs = band_runs(runs, bq, masked, rows, q0, k0, n_q, n_k, left, right,
                                    block_k, lanes)
-                n_by_panel = panel_runs(runs, n_runs, width, runs_by_panel)
-                band_scores(s, ld_s, q_s, d, kt_flat, k_off, runs_by_panel, n_by_panel, row_vmax,
-                            tile_max, PORTABLE)
+                band_scores(s, ld_s, q_s, d, kt_flat, k_off, runs, n_runs, row_vmax, tile_max,
+                            PORTABLE)
                 # The row maxima came with the product (a pass over S saved); the modifiers and
                 # masks below say whether they still hold.
                 max_given = not modify

@@ -13,7 +13,7 @@ element-wise masking:
 * ``tile_key_range``: the key tiles a block of rows sees at all;
 * ``tile_needs_mask``: whether a visible tile crosses an edge of the band;
 * ``mask_tile``: set the scores outside the band to ``-inf``;
-* ``band_columns``, ``band_runs``, ``panel_runs``: on such a tile, the keys each block of rows
+* ``band_columns``, ``band_runs``: on such a tile, the keys each block of rows
   needs computed at all (the score products, forward and backward, skip the rest, which
   ``mask_tile`` then overwrites; the forward's P V and the backward's dP, dQ, dK and dV skip
   them too).
@@ -95,26 +95,6 @@ def band_runs(runs, bq, banded, rows, q0, k0, n_q, kv_len, left, right, block_k,
         runs[n, 0], runs[n, 1], runs[n, 2] = r0, r1, need
         n += 1
         r0 = r1
-    return n
-
-
-@helper
-def panel_runs(runs, n_runs, width, out):
-    """``band_runs``' runs (in steps of one vector of keys, say) taken together while their
-    ``need`` rounds up to the same multiple of ``width`` (a panel of keys), into ``out`` as
-    ``(r0, r1, need)`` with ``need`` so rounded; returns how many: the runs of ``band_runs`` in
-    steps of ``width``, for the products that take whole panels (the score products), from the
-    runs that the forward's P V takes, without a second pass over the rows."""
-    n = 0
-    i = 0
-    while i < n_runs:
-        need = -(-runs[i, 2] // width) * width
-        j = i + 1
-        while j < n_runs and -(-runs[j, 2] // width) * width == need:
-            j += 1
-        out[n, 0], out[n, 1], out[n, 2] = runs[i, 0], runs[j - 1, 1], need
-        n += 1
-        i = j
     return n
 
 

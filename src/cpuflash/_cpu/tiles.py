@@ -252,7 +252,10 @@ def tile_product(c, c_off, ldc, a, a_off, a_rs, a_ks, b, b_off, b_ld, b_panel, r
                        b, panel, ldb, k, width // lanes, accumulate)
 
 
+# S = Q K^T with its row maxima: over whole key tiles, and over whole vectors of keys (a causal
+# diagonal tile's runs of rows compute only the vectors of keys they see: ``band_scores``).
 _product_rowmax = _product_with_epilogue("rowmax", E_VECTOR_PER_ROW, whole_panels=True)
+_product_rowmax_vectors = _product_with_epilogue("rowmax", E_VECTOR_PER_ROW)
 # C = A @ B over whole key tiles: the backward pass's S and dP. (A kernel that calls only the
 # products with epilogues compiles a few micro-kernel shapes, not tile_product's sixteen.)
 tile_product_store = _product_with_epilogue("store", E_PER_ROW, whole_panels=True)
@@ -270,21 +273,28 @@ tile_product_softmax_grad = _product_with_epilogue("softmax_grad", E_AS_C, whole
 @helper
 def tile_product_max(c, c_off, ldc, a, a_off, a_rs, a_ks, b, b_off, b_panel, rows, cols, k,
                      row_vmax, tile_max, portable):
-    """``C[:rows, :cols] = A[:rows, :k] @ B[:k, :cols]`` (B in packed panels; cols a multiple of
-    the panel width) and ``tile_max[r] = max(C[r, :cols])``, NaN passed over as
+    """``C[:rows, :cols] = A[:rows, :k] @ B[:k, :cols]`` (B in packed panels of the
+    micro-kernel's width, ``MAX_VECS`` vectors; cols whole vectors, the last panel read only in
+    part if cols ends inside it) and ``tile_max[r] = max(C[r, :cols])``, NaN passed over as
     by ``row_max``. The SIMD form takes the maxima from the registers as each micro-tile is
     stored, with no second pass over C; ``row_vmax``: scratch of ``rows`` vectors, the lane-wise
     maxima over the panels."""
+    panel_ld = MAX_VECS * simd.lanes_of(c)  # a panel's row stride, however much of it is read
     if portable:
-        product_portable(c, c_off, ldc, a, a_off, a_rs, a_ks, b, b_off, 0, b_panel, rows, cols,
-                         k, False)
+        product_portable(c, c_off, ldc, a, a_off, a_rs, a_ks, b, b_off, panel_ld, b_panel, rows,
+                         cols, k, False)
         for r in range(rows):
             tile_max[r] = row_max(c, c_off + r * ldc, cols, True)
         return
     lanes = simd.lanes_of(c)
     row_vmax[:rows * lanes] = -np.inf
-    _product_rowmax(c, c_off, ldc, a, a_off, a_rs, a_ks, b, b_off, 0, b_panel, rows, cols, k,
-                    row_vmax, 0, row_vmax, 0, row_vmax, False)
+    if cols % panel_ld == 0:
+        _product_rowmax(c, c_off, ldc, a, a_off, a_rs, a_ks, b, b_off, panel_ld, b_panel, rows,
+                        cols, k, row_vmax, 0, row_vmax, 0, row_vmax, False)
+    else:
+        _product_rowmax_vectors(c, c_off, ldc, a, a_off, a_rs, a_ks, b, b_off, panel_ld,
+                                b_panel, rows, cols, k, row_vmax, 0, row_vmax, 0, row_vmax,
+                                False)
     for r in range(rows):
         tile_max[r] = simd.vhmax(simd.vload(row_vmax, r * lanes))
 
