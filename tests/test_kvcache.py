@@ -586,3 +586,62 @@ def test_values_before_a_window_are_not_read(blocks):
         out = cpuflash.attention(q, k_t, v, window=(100, 0))
     want = reference.attention(q, k[:, :, 199:], v[:, :, 199:])
     np.testing.assert_allclose(out, want, atol=2e-6, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, "bfloat16", np.int8])
+def test_reorder_copies_each_sequence_from_its_index(dtype):
+    """``reorder(indices)`` (beam search): every layer's sequence ``b`` becomes the old
+    sequence ``indices[b]``, scales included, a repeated index twice; layers of other lengths
+    (an empty one, one across a block edge) alike; a step plan made before it reads the new
+    order; the result equals the reference over the reordered K/V."""
+    n_b, h_kv, lengths = 3, 2, (70, 0, 5)
+    cache = cpuflash.KVCache(3, n_b, h_kv, 128, D, dtype=dtype)
+    for layer, n in enumerate(lengths):
+        cache.append(layer, rand((n_b, h_kv, n, D), seed=layer),
+                     rand((n_b, h_kv, n, D), seed=10 + layer))
+    q = rand((n_b, 4, 1, D), seed=20)
+    cache.attention(0, q)  # a step plan, made before
+    before = [(k.copy(), v.copy(), {name: x.copy() for name, x in scales.items()})
+              for k, v, scales in (cache.view(layer) for layer in range(3))]  # (views: copied)
+    indices = np.array([2, 0, 2])
+    cache.reorder(indices)
+    for layer, n in enumerate(lengths):
+        k, v, scales = cache.view(layer)
+        k0, v0, scales0 = before[layer]
+        np.testing.assert_array_equal(k, k0[indices])
+        np.testing.assert_array_equal(v, v0[indices])
+        for name in scales:
+            np.testing.assert_array_equal(scales[name], scales0[name][indices])
+        assert k.shape[2] == n
+    out = cache.attention(0, q)
+    kd, vd = dequantized(cache, 0)
+    np.testing.assert_allclose(out, reference.attention(q, kd, vd), rtol=0, atol=2e-6)
+    same_q = cache.attention(0, q[[0, 0, 0]])  # sequences 0 and 2 now hold the same tokens
+    np.testing.assert_array_equal(same_q[0], same_q[2])
+
+
+@pytest.mark.parametrize("indices,exc,words", [
+    ([0, 1], ValueError, "indices: expected shape (3,)"),
+    ([[0, 1, 2]], ValueError, "indices: expected shape (3,)"),
+    ([0, 1, 3], ValueError, "indices: expected values in 0..2"),
+    ([0, -1, 2], ValueError, "indices: expected values in 0..2"),
+    ([0.0, 1.0, 2.0], TypeError, "indices: expected integers"),
+    (np.array([True, False, True]), TypeError, "indices: expected integers"),
+    (None, TypeError, "indices: expected integers")], ids=str)
+def test_reorder_bad_indices_name_the_argument_and_change_nothing(indices, exc, words):
+    cache = cpuflash.KVCache(1, 3, 1, 64, D)
+    cache.append(0, rand((3, 1, 5, D), seed=1), rand((3, 1, 5, D), seed=2))
+    k_before = cache.k_blocks.copy()
+    with pytest.raises(exc, match=re.escape(words)):
+        cache.reorder(indices)
+    np.testing.assert_array_equal(cache.k_blocks, k_before)
+
+
+def test_reorder_checks_every_length_before_it_writes():
+    cache = cpuflash.KVCache(2, 2, 1, 64, D)
+    cache.append(0, rand((2, 1, 5, D), seed=1), rand((2, 1, 5, D), seed=2))
+    cache.lengths[1] = 65  # past max_len: the storage cannot back it
+    k_before = cache.k_blocks.copy()
+    with pytest.raises(ValueError, match=re.escape("lengths[1]")):
+        cache.reorder([1, 0])
+    np.testing.assert_array_equal(cache.k_blocks, k_before)

@@ -112,6 +112,21 @@ def _on_a_line(x):
     return y
 
 
+def _batch_indices(indices, n_b):
+    """``reorder``'s ``indices`` checked: ``n_b`` integers in ``0..n_b - 1`` (no negative ones:
+    ``-1`` is more likely a bug than the last beam), as an intp array."""
+    x = np.asarray(indices) if not isinstance(indices, np.ndarray) else indices
+    if x.dtype == np.bool_ or not np.issubdtype(x.dtype, np.integer):
+        raise TypeError(f"indices: expected integers, got dtype {x.dtype}")
+    if x.shape != (n_b,):
+        raise ValueError(f"indices: expected shape ({n_b},) (one per sequence of the batch), "
+                         f"got {x.shape}")
+    low, high = int(x.min()), int(x.max())
+    if low < 0 or high >= n_b:
+        raise ValueError(f"indices: expected values in 0..{n_b - 1}, got {low}..{high}")
+    return x.astype(np.intp, copy=False)
+
+
 def _count(name, x, minimum=1):
     if not _checks.is_integer(x):
         raise TypeError(f"{name}: expected an int, got {type(x).__name__}")
@@ -305,6 +320,24 @@ class KVCache:
         plan = step_plan(q, self._layers[layer], n, key[3], key[4], scales) or False
         self._plans[key] = plan
         return plan
+
+    def reorder(self, indices):
+        """Make sequence ``b`` of the batch a copy of sequence ``indices[b]``, in every layer,
+        in place: beam search's reordering of its beams after a step (Hugging Face's
+        ``Cache.reorder_cache(beam_idx)``). ``indices``: B integers in ``0..B-1``, repeats
+        allowed (a beam that two continue). Copies only the blocks that hold tokens, one
+        layer at a time (the temporary memory is one layer's filled part), and an int8
+        cache's scales with them; lengths, step plans and ``view``'s views stay valid."""
+        n_b = self.k_blocks.shape[1]
+        indices = _batch_indices(indices, n_b)
+        lengths = [self._length(layer) for layer in range(len(self.lengths))]  # checked first
+        for layer, n in enumerate(lengths):
+            blocks = -(-n // KEY_BLOCK)
+            for x in (self.k_blocks, self.v_blocks):
+                x[layer, :, :, :blocks] = x[layer, indices, :, :blocks]
+            if self.k_scale is not None:
+                for x in (self.k_scale, self.v_scale):
+                    x[layer, :, :, :n] = x[layer, indices, :, :n]
 
     def __getstate__(self):
         """For ``pickle`` and ``copy``: the storage, lengths and scales, not the views of the
