@@ -18,6 +18,27 @@ def test_one_reference_judges_each_output_alone():
     assert both[0] == 0.0 and both[1] == pytest.approx(1e-3, rel=1e-9)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("n_q,n_k", [(40, 40), (23, 40), (40, 23)])
+def test_reference_in_row_blocks_is_the_whole_reference(causal, n_q, n_k, monkeypatch):
+    """``max_errors_vs_reference`` takes the reference ``REFERENCE_ROWS`` query rows at a time
+    (causal as a mask aligned to the end): its errors are those against one whole call, the
+    row that differs in any block (rows that see no key with Nq > Nk included)."""
+    monkeypatch.setattr(_measure, "REFERENCE_ROWS", 7)
+    rng = np.random.default_rng(n_q + n_k)
+    q = rng.standard_normal((1, 2, n_q, 8))
+    k, v = (rng.standard_normal((1, 2, n_k, 8)) for _ in range(2))
+    whole = reference.attention(q, k, v, causal=causal)
+    for row in (0, 6, 7, n_q - 1):
+        off = whole.copy()
+        off[0, 0, row, 1] += 1e-3
+        got = _measure.max_errors_vs_reference([whole, off], q, k, v, causal)
+        assert got[0] < 1e-15 and got[1] == pytest.approx(1e-3, rel=1e-9)
+    worse = whole + rng.standard_normal(whole.shape) * 1e-4
+    assert _measure.max_error_vs_reference(worse, q, k, v, causal) == pytest.approx(
+        float(np.max(np.abs(worse[:1, :1] - whole[:1, :1]))), rel=1e-9)
+
+
 def test_one_reference_backward_judges_each_gradient_set_alone():
     q, k, v = _measure.make_qkv(1, 4, 24, 8, np.float64, seed=4, h_kv=2)
     dout = _measure.make_qkv(1, 4, 24, 8, np.float64, seed=5)[0]
