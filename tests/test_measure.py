@@ -39,6 +39,17 @@ def test_reference_in_row_blocks_is_the_whole_reference(causal, n_q, n_k, monkey
         float(np.max(np.abs(worse[:1, :1] - whole[:1, :1]))), rel=1e-9)
 
 
+@pytest.mark.parametrize("h_kv", [8, 2, 1])
+def test_decode_reference_is_the_reference(h_kv):
+    """``decode_reference``: a decode step's reference with each GQA group as rows of one
+    call, equal to ``reference.attention`` on the step (which repeats K/V per query head)."""
+    q, k, v = _measure.make_qkv(2, 8, 300, 16, n_q=1, h_kv=h_kv, seed=h_kv)
+    np.testing.assert_allclose(_measure.decode_reference(q, k, v),
+                               reference.attention(q, k, v), rtol=1e-13, atol=1e-15)
+    with pytest.raises(ValueError, match="q: expected one query row"):
+        _measure.decode_reference(np.concatenate([q, q], axis=2), k, v)
+
+
 def test_one_reference_backward_judges_each_gradient_set_alone():
     q, k, v = _measure.make_qkv(1, 4, 24, 8, np.float64, seed=4, h_kv=2)
     dout = _measure.make_qkv(1, 4, 24, 8, np.float64, seed=5)[0]
