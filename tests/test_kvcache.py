@@ -627,7 +627,8 @@ def test_reorder_copies_each_sequence_from_its_index(dtype):
     ([0, -1, 2], ValueError, "indices: expected values in 0..2"),
     ([0.0, 1.0, 2.0], TypeError, "indices: expected integers"),
     (np.array([True, False, True]), TypeError, "indices: expected integers"),
-    (None, TypeError, "indices: expected integers")], ids=str)
+    (None, TypeError, "indices: expected integers"),
+    ([[0, 1], [2]], TypeError, "indices: expected 3 integers")], ids=str)
 def test_reorder_bad_indices_name_the_argument_and_change_nothing(indices, exc, words):
     cache = cpuflash.KVCache(1, 3, 1, 64, D)
     cache.append(0, rand((3, 1, 5, D), seed=1), rand((3, 1, 5, D), seed=2))

@@ -115,7 +115,10 @@ def _on_a_line(x):
 def _batch_indices(indices, n_b):
     """``reorder``'s ``indices`` checked: ``n_b`` integers in ``0..n_b - 1`` (no negative ones:
     ``-1`` is more likely a bug than the last beam), as an intp array."""
-    x = np.asarray(indices) if not isinstance(indices, np.ndarray) else indices
+    try:
+        x = np.asarray(indices)
+    except (TypeError, ValueError) as exc:  # a ragged list, say
+        raise TypeError(f"indices: expected {n_b} integers, got {indices!r}") from exc
     if x.dtype == np.bool_ or not np.issubdtype(x.dtype, np.integer):
         raise TypeError(f"indices: expected integers, got dtype {x.dtype}")
     if x.shape != (n_b,):
