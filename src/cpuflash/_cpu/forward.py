@@ -81,7 +81,7 @@ def band_scores(s, ld_s, q_s, d, kt_flat, k_off, runs, n_runs, row_vmax, tile_ma
     the kernel the float32 forward's cold compile took 2.7-4.8 s longer than without
     ``band_scores`` (22.8 s against 18.0-20.1), with this one call 0.7-2.3 s longer (stop 51,
     alternating processes, each with an empty cache). Runs that end inside a panel take a
-    product of their own in ``tile_product_max`` (micro-kernels of 1-3 vectors), so whole
+    product of their own in ``tile_product_max`` (reading 1-3 vectors of a panel), so whole
     tiles run stop 60's code: against stop 60's package, one process, calls in alternating
     order, medians of the ratios, a GPT-2-small layer's 64-token prompt (H=12, causal) took
     0.957x and 0.956x the time; N=2048 0.997x and 0.999x, causal 1.000x and 0.999x, N=512
