@@ -308,7 +308,9 @@ def _on_cuda(q, device):
     return on_gpu
 
 
-def _compute_dtype(dtype):
+def compute_dtype(dtype):
+    """What arrays (or a K/V cache) of ``dtype`` are computed in: float64 for float64, float32 for
+    every other type (float16, bfloat16's int16 bits, int8)."""
     return np.dtype(np.float64 if dtype == np.float64 else np.float32)
 
 
@@ -346,7 +348,7 @@ def _prepare(q, k, v, causal, scale, mask, window, kv_lens, alibi_slopes, softca
     causal = _checks.flag("causal", causal)
     q4, k4, v4 = _checks.as_4d(q), _checks.as_4d(k), _checks.as_4d(v)
     n_b, n_hq, _, n_q, n_k, d, dv = _checks.qkv_shapes(q4, k4, v4)
-    compute = _compute_dtype(q.dtype)
+    compute = compute_dtype(q.dtype)
     return _Call(
         dv=dv, compute=compute, scale=_checks.scale(scale, d),
         band=masks.band(causal, window, kv_lens, n_b, n_k),
@@ -432,8 +434,8 @@ def merge(outs, lses):
         raise TypeError(f"outs[0]: expected a float numpy array, got {type(outs[0]).__name__}")
     for i, (o, part_lse) in enumerate(zip(outs, lses)):
         _checks.matches(f"outs[{i}]", o, outs[0].shape, outs[0].dtype)
-        _checks.matches(f"lses[{i}]", part_lse, o.shape[:-1], _compute_dtype(o.dtype))
-    compute = _compute_dtype(outs[0].dtype)
+        _checks.matches(f"lses[{i}]", part_lse, o.shape[:-1], compute_dtype(o.dtype))
+    compute = compute_dtype(outs[0].dtype)
     lse_all = np.stack(lses).astype(compute, copy=False)
     m = lse_all.max(axis=0)
     m_safe = np.where(np.isfinite(m), m, 0.0).astype(compute)

@@ -43,7 +43,7 @@ from ._cpu.decode import (KEY_BLOCK, arrays_of_blocks, key_panel_width, layer_bl
                           value_panel_width)
 from ._cpu.pack import aligned, on_line
 from ._cpu.quantize import quantize_rows
-from .api import attention_on_blocks, step_plan
+from .api import attention_on_blocks, compute_dtype, step_plan
 from .sinks import check_for_queries
 
 STORAGE_DTYPES = (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16),
@@ -94,12 +94,6 @@ def quantize_int8(x, *, name="x"):
                                     x8.reshape(-1, d), scale.reshape(-1)):
         raise ValueError(f"{name}: int8 quantization needs finite values, got NaN or Inf")
     return x8, scale
-
-
-def _compute_dtype(storage):
-    """What a cache stored in ``storage`` is computed in: float32 for the 1- and 2-byte types
-    (int8, float16, bfloat16's int16 bits), else the storage's own."""
-    return np.dtype(np.float32) if storage.itemsize < 4 else storage
 
 
 def _on_a_line(x):
@@ -173,7 +167,7 @@ class KVCache:
         # every AVX-512 load of a K/V row would straddle two (measured: the chunk loop of a
         # float32 decode step about 5 % slower on one thread).
         n_blocks = -(-max_len // KEY_BLOCK)
-        compute = _compute_dtype(storage)
+        compute = compute_dtype(storage)
         w, u = key_panel_width(compute), value_panel_width(compute, v_head_dim)
         self.k_blocks = on_line((layers, batch, kv_heads, n_blocks, KEY_BLOCK // w, head_dim, w),
                                 storage, zeroed=True)
@@ -359,7 +353,7 @@ class KVCache:
 
     def _layer_blocks(self):
         """Each layer's blocks and the decode kernel's view of them (``layer_blocks``)."""
-        compute = _compute_dtype(self.k_blocks.dtype)
+        compute = compute_dtype(self.k_blocks.dtype)
         return [layer_blocks(self.k_blocks[layer], self.v_blocks[layer], compute)
                 for layer in range(self.k_blocks.shape[0])]
 
