@@ -79,11 +79,16 @@ def _checked(name, t):
 
 
 def _numpy_view(name, t, passing=False):
-    """What cpuflash reads of a float tensor (``_checked``), with no copy for any strides: a
-    numpy view of a CPU tensor's memory, or the CUDA tensor itself. bfloat16, which numpy
-    lacks, is read as a float32 copy (``_widened``); ``passing``: one that no one keeps past the
-    call it is made for (q, k, v, dout), in a buffer the next call reuses."""
-    t = _widened(_checked(name, t), f"bfloat16 {name}" if passing else None)
+    """What cpuflash reads of a float tensor, checked (``_checked``) and read (``_readable``)."""
+    return _readable(name, _checked(name, t), passing)
+
+
+def _readable(name, t, passing=False):
+    """What cpuflash reads of the checked tensor ``t`` (``_checked``), with no copy for any
+    strides: a numpy view of a CPU tensor's memory, or the CUDA tensor itself. bfloat16, which
+    numpy lacks, is read as a float32 copy (``_widened``); ``passing``: one that no one keeps
+    past the call it is made for (q, k, v, dout), in a buffer the next call reuses."""
+    t = _widened(t, f"bfloat16 {name}" if passing else None)
     return t if t.is_cuda else t.numpy()
 
 
@@ -262,15 +267,15 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     """``torch.nn.functional.scaled_dot_product_attention`` computed by cpuflash, for CPU or
     CUDA tensors; differentiable in ``query``, ``key``, ``value`` (and ``sinks``). See the module
     docstring for the semantics, the causal alignment and the extra keyword options."""
-    # checked here, read (views; bfloat16 widened) once, by the path that computes: the plan
-    # takes only their shapes
-    q, k, _ = (_checked(name, x) for name, x in (("query", query), ("key", key), ("value", value)))
-    plan = _Plan(q, k, attn_mask, is_causal, scale, enable_gqa, dropout_p, window,
-                 alibi_slopes, softcap, seed, sinks, _result_dtype(query, key, value))
+    # checked once here, read (views; bfloat16 widened) once, by the path that computes: the
+    # plan takes only their shapes
+    names = ("query", "key", "value")
+    checked = [_checked(name, x) for name, x in zip(names, (query, key, value))]
+    plan = _Plan(checked[0], checked[1], attn_mask, is_causal, scale, enable_gqa, dropout_p,
+                 window, alibi_slopes, softcap, seed, sinks, _result_dtype(query, key, value))
     inputs = (query, key, value) if sinks is None else (query, key, value, sinks)
     if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
         return FlashAttentionFunction.apply(query, key, value, plan, sinks)
-    qn, kn, vn = (_numpy_view(name, x, passing=True)
-                  for name, x in (("query", query), ("key", key), ("value", value)))
+    qn, kn, vn = (_readable(name, x, passing=True) for name, x in zip(names, checked))
     out = api.attention(qn, plan.keys(kn), plan.keys(vn), **plan.opts)
     return _rounded(_tensor(out), plan.result_dtype)
