@@ -63,27 +63,42 @@ def key_tile(task, n_blocks, block_k, n_k, d):
 def keys_transposed_task(kf, src, row_stride, n_valid, d, block_k, w, ktf, tile):
     """One key tile in ``pack_keys_transposed``'s layout at ``ktf[tile:]``: its keys are the
     ``n_valid`` rows of ``d`` elements at ``kf[src + j * row_stride:]`` (the rest zero). Flat
-    indices, no test per element and, where a panel is whole, ``lanes x lanes`` blocks
-    transposed in registers (measured at B=1, H=8, N=512, D=128: 0.47 -> 0.09 ms; N=2048:
-    0.81 -> 0.45 ms)."""
+    indices, no test per element and, where whole vectors of keys and D allow,
+    ``lanes x lanes`` blocks transposed in registers (measured at B=1, H=8, N=512, D=128: 0.47
+    -> 0.09 ms; N=2048: 0.81 -> 0.45 ms). A panel that ends past ``Nk`` (the last tile of
+    any N that is not a whole number of panels, the one tile of a short sequence) takes its
+    whole vectors of keys that way too, and only the last few keys element by element (stop
+    62: H=12, N=32 took 39 us to pack, twice N=64's 19, its 32 keys a head all element by
+    element)."""
     lanes = simd.lanes_of(ktf)
+    zero = simd.vsplat(ktf, 0.0)
     for p0 in range(0, block_k, w):
         width = min(w, block_k - p0)
         inside = max(0, min(width, n_valid - p0))  # keys of this panel before Nk
         first = src + p0 * row_stride
         panel = tile + p0 * d
-        if inside == width and width % lanes == 0 and d % lanes == 0:
-            for jj in range(0, width, lanes):  # lanes x lanes blocks, in registers
+        whole = 0  # keys of the panel in whole blocks, in registers
+        if width % lanes == 0 and d % lanes == 0:
+            whole = inside - inside % lanes
+            for jj in range(0, whole, lanes):  # lanes x lanes blocks
                 for dd in range(0, d, lanes):
                     simd.transpose_block(kf, first + jj * row_stride + dd, row_stride, ktf,
                                          panel + dd * width + jj, width)
+        if whole == width:
             continue
+        # The rest of the keys element by element; the zeros past Nk too up to a whole vector
+        # of keys, then in vector stores.
+        zeros_from = width
+        if width % lanes == 0:
+            zeros_from = min(width, inside + (-inside) % lanes)
         for dd in range(d):
             row = panel + dd * width
-            for jj in range(inside):
+            for jj in range(whole, inside):
                 ktf[row + jj] = kf[first + jj * row_stride + dd]
-            for jj in range(inside, width):
+            for jj in range(inside, zeros_from):
                 ktf[row + jj] = 0.0
+            for jj in range(zeros_from, width, lanes):
+                simd.vstore(ktf, row + jj, zero)
 
 
 @helper
