@@ -7,7 +7,8 @@ calls compile (a minute or two).
 Cases: ``KVCache.attention`` decode steps (Nq=1, D=64; Hq=8 Hkv=2 at Nk=64 and 32768, GPT-2
 small's Hq=Hkv=12 at Nk=1024) and forward calls (D=64; H=8 N=2048, causal N=2048, N=512; a
 GPT-2-small layer's causal prompts, H=12 N=64 and 256, and of lengths that are not a whole
-number of 64-key panels, N=37 and 200). ``--forward-only``: those alone.
+number of 64-key panels, N=37 and 200) and a MiniLM batch of 32 sentences through
+``attention_varlen``. ``--forward-only``: those alone.
 A/A spread: two identical caches differ by up to 1.5 % (stop 57). Not collected by pytest.
 
     python bench/cpu_ab.py --base REV [--rounds 300] [--forward-only]
@@ -109,6 +110,15 @@ def main(argv=None):
                     lambda mod, s: mod.attention(q, k, v, causal=causal, **options(s)),
                     rng.standard_normal(n_h).astype(np.float32),
                     *((a.rounds, "us", 1e6) if n <= SHORT else (a.rounds // 8, "ms", 1e3)))
+        # A MiniLM batch: 32 sentences of 5-128 tokens packed, H=12, D=32, q, k and v the
+        # slices of a fused projection (the last tile of every sequence ends past its keys)
+        lens = rng.integers(5, 129, size=32)
+        cu = np.concatenate(([0], np.cumsum(lens))).astype(np.int64)
+        qkv = rng.standard_normal((int(cu[-1]), 3, 12, 32)).astype(np.float32)
+        compare("varlen 32 x 5-128 H=12 D=32", mods,
+                lambda mod, s: mod.attention_varlen(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu, cu,
+                                                    **options(s)),
+                rng.standard_normal(12).astype(np.float32), a.rounds, "us", 1e6)
 
 
 if __name__ == "__main__":
