@@ -7,7 +7,7 @@ calls compile (a minute or two).
 Cases: ``KVCache.attention`` decode steps (Nq=1, D=64; Hq=8 Hkv=2 at Nk=64 and 32768, GPT-2
 small's Hq=Hkv=12 at Nk=1024) and forward calls (D=64; H=8 N=2048, causal N=2048, N=512; a
 GPT-2-small layer's causal prompts, H=12 N=64 and 256, and of lengths that are not a whole
-number of 64-key panels, N=37 and 200) and a MiniLM batch of 32 sentences through
+number of 64-key panels, N=37 and 200, and N=100 without a mask) and a MiniLM batch of 32 sentences through
 ``attention_varlen``. ``--forward-only``: those alone.
 A/A spread: two identical caches differ by up to 1.5 % (stop 57). Not collected by pytest.
 
@@ -27,7 +27,7 @@ from cpuflash._measure import medians_side_by_side
 REPO = pathlib.Path(__file__).resolve().parents[1]
 STEPS = ((8, 2, 64), (8, 2, 32768), (12, 12, 1024))  # (Hq, Hkv, Nk)
 FORWARDS = ((8, 2048, False), (8, 2048, True), (8, 512, False), (12, 64, True),
-            (12, 256, True), (12, 37, True), (12, 200, True))  # (H, N, causal)
+            (12, 256, True), (12, 37, True), (12, 200, True), (12, 100, False))  # (H, N, causal)
 SHORT = 512  # forward calls up to this N run ``--rounds`` times, longer ones a quarter of it
 
 

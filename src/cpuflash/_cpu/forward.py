@@ -180,9 +180,14 @@ def forward(q, kt, vt, n_hkv, block_q, scale, left, right, seqs, kv_lens, softca
             n_k = kv_lens[b]
             q0 = qb * bq
             rows = min(bq, n_q - q0)
+            # The rows computed: the block's own rows in whole micro-tiles. A sequence's last
+            # block may hold few (N=65 in blocks of 64: one), and the padding past them is
+            # neither computed nor read (before stop 62, a block's every row: at N=65 a head
+            # took 2.5 times N=64's time).
+            rows_up = min(bq, -(-rows // config.MICRO_ROWS) * config.MICRO_ROWS)
             out_row0 = q_b * out_layout[0] + h * out_layout[1] + (row0 + q0) * out_layout[2]
-            q_s[:] = 0.0
-            acc[:] = 0.0
+            q_s[:rows_up * d] = 0.0
+            acc[:rows_up * dv_pad] = 0.0
             m_i[:] = -np.inf
             l_i[:] = 0.0
             for r in range(rows):  # in float64, rounded once, as backward.row_terms
@@ -198,7 +203,7 @@ def forward(q, kt, vt, n_hkv, block_q, scale, left, right, seqs, kv_lens, softca
                 masked = tile_needs_mask(q0, q0 + rows, k0, block_k, n_q, n_k, left, right)
                 # S = Q K^T with its row maxima; on a masked tile only the vectors of keys each
                 # run of row blocks may see (band_scores; the same runs for P V below)
-                n_runs = band_runs(runs, bq, masked, rows, q0, k0, n_q, n_k, left, right,
+                n_runs = band_runs(runs, rows_up, masked, rows, q0, k0, n_q, n_k, left, right,
                                    block_k, lanes)
                 band_scores(s, ld_s, q_s, d, kt_flat, k_off, runs, n_runs, row_vmax, tile_max,
                             PORTABLE)
@@ -215,15 +220,20 @@ def forward(q, kt, vt, n_hkv, block_q, scale, left, right, seqs, kv_lens, softca
                                     q0, k0, n_cols, 1.0, tile_max)
                     max_given = n_cols == block_k
                     if max_given:  # padding rows: their scores are 0 (Q zero-padded), or NaN
-                        for r in range(rows, bq):
+                        for r in range(rows, rows_up):
                             tile_max[r] = row_max(s, r * ld_s, block_k, PORTABLE)
                 if masked:
                     mask_tile(s, ld_s, rows, q0, k0, block_k, n_q, n_k, left, right, -np.inf,
                               PORTABLE)
                     max_given = False
-                online_softmax(s, 0, ld_s, block_k, bq, m_i, l_tile_sums, alpha_i, tile_max,
+                # The exponentials stop at the vector that holds the last key (N=65: 80 of the
+                # tile's 128 columns). Past it every score is -inf and its e^x = +0, whose
+                # sum (one vector accumulator, in order) would change no bit; P V reads no
+                # column past the last key.
+                n_exp = min(block_k, -(-(n_k - k0) // lanes) * lanes)
+                online_softmax(s, 0, ld_s, n_exp, rows_up, m_i, l_tile_sums, alpha_i, tile_max,
                                max_given, True, PORTABLE)
-                for r in range(bq):
+                for r in range(rows_up):
                     # In float64: in a sharp row, the largest probability is 1 and each later
                     # tile adds less than half an ulp of 1; float32 lost every such tile's sum
                     # (peaked q = k = v, N=2048: up to 2.7 ulp of error in the output, where
