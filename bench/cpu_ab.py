@@ -7,8 +7,8 @@ calls compile (a minute or two).
 Cases: ``KVCache.attention`` decode steps (Nq=1, D=64; Hq=8 Hkv=2 at Nk=64 and 32768, GPT-2
 small's Hq=Hkv=12 at Nk=1024) and forward calls (D=64; H=8 N=2048, causal N=2048, N=512; a
 GPT-2-small layer's causal prompts, H=12 N=64 and 256, and of lengths that are not a whole
-number of 64-key panels, N=37 and 200, and N=100 without a mask) and a MiniLM batch of 32 sentences through
-``attention_varlen``. ``--forward-only``: those alone.
+number of 64-key panels, N=37 and 200, and N=100 without a mask) and a MiniLM batch of 32
+sentences through ``attention_varlen``. ``--forward-only``: those alone.
 A/A spread: two identical caches differ by up to 1.5 % (stop 57). Not collected by pytest.
 
     python bench/cpu_ab.py --base REV [--rounds 300] [--forward-only]

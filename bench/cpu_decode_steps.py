@@ -52,7 +52,7 @@ def steps(kind, reps, q_s, kt, k_step, v, rows, d, n, s, m_i, l_t, a_i, pv, acc,
                 decode.transposed_scores(s, CHUNK, q_s, rows, d, kt, c0, k_step, block, 1,
                                          CHUNK, ahead)
             if kind & SOFTMAX:
-                online_softmax(s, 0, CHUNK, CHUNK, rows, m_i, l_t, a_i, l_t, False, False,
+                online_softmax(s, 0, CHUNK, CHUNK, rows, rows, m_i, l_t, a_i, l_t, False, False,
                                False)
             if kind & PV and panel > 0:
                 for j0 in range(c0, c0 + CHUNK, block):

@@ -34,8 +34,8 @@ def softmax(s, ld_s, rows, keys, m_i, l_t, alpha_i, tile_max, reps, n_tiles):
     for _ in range(reps):
         for r in range(rows):
             m_i[r] = tile_max[r]  # the same shift each time: no rescale, no growth
-        tiles.online_softmax(s, 0, ld_s, keys, rows, m_i, l_t, alpha_i, tile_max, True, True,
-                             False)
+        tiles.online_softmax(s, 0, ld_s, keys, rows, rows, m_i, l_t, alpha_i, tile_max, True,
+                             True, False)
 
 
 @numba.njit(fastmath={"contract"})

@@ -536,7 +536,7 @@ def decode(q, k, k_strides, k_block, k_panel, k_storage, prefetch, v, v_strides,
                     for jj in range(width):
                         if not (jj < n_c and first_r[r] <= c0 + jj <= last_r[r]):
                             s[row + jj] = -np.inf
-            online_softmax(s, 0, chunk, width, rows, m_i, l_tile, alpha_i, l_tile, False,
+            online_softmax(s, 0, chunk, width, rows, rows, m_i, l_tile, alpha_i, l_tile, False,
                            False, False)  # scores in base 2
             for r in range(rows):
                 row = r * chunk

@@ -231,8 +231,8 @@ def forward(q, kt, vt, n_hkv, block_q, scale, left, right, seqs, kv_lens, softca
                 # sum (one vector accumulator, in order) would change no bit; P V reads no
                 # column past the last key.
                 n_exp = min(block_k, -(-(n_k - k0) // lanes) * lanes)
-                online_softmax(s, 0, ld_s, n_exp, rows_up, m_i, l_tile_sums, alpha_i, tile_max,
-                               max_given, True, PORTABLE)
+                online_softmax(s, 0, ld_s, n_exp, rows_up, bq, m_i, l_tile_sums, alpha_i,
+                               tile_max, max_given, True, PORTABLE)
                 for r in range(rows_up):
                     # In float64: in a sharp row, the largest probability is 1 and each later
                     # tile adds less than half an ulp of 1; float32 lost every such tile's sum

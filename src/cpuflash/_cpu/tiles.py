@@ -407,12 +407,17 @@ def exp_inplace(x, off, n, natural, portable):
 
 
 @helper
-def online_softmax(s, off, ld, n, rows, m_i, l_i, alpha_i, tile_max, max_given, natural,
-                   portable):
+def online_softmax(s, off, ld, n, rows, n_alpha, m_i, l_i, alpha_i, tile_max, max_given,
+                   natural, portable):
     """One key tile of online softmax for ``rows`` rows of ``n`` scores, rows ``ld`` apart in
     ``s`` from ``s[off]``; ``natural``: the scores are in natural units (else base 2: the
     decode kernel folds ``log2(e)`` into Q). ``max_given``: ``tile_max[r]`` already holds each
     row's maximum (found by the pass that masked the tile); else the rows are read for it here.
+    ``n_alpha >= rows``: the rescale factors are exponentiated over that many rows (those past
+    ``rows`` set to 1), in whole vectors and then one by one (``exp_inplace``), so a row's
+    factor comes from the vector or the scalar exponential as it would with ``n_alpha`` rows:
+    the forward pass's last query block computes its own rows only (since stop 62) and still
+    passes its block's size here, which keeps the bits of every row.
 
     In place: ``s`` becomes ``P = e^(s - m_new)`` (or ``2^(s - m_new)``), exactly 1 at the row's
     maximum; ``m_i`` the new running max; ``l_i`` this tile's row sums ``rowsum(P)``;
@@ -435,7 +440,9 @@ def online_softmax(s, off, ld, n, rows, m_i, l_i, alpha_i, tile_max, max_given, 
         m_i[r] = m_new
     for r in range(rows):
         l_i[r] = exp_shifted_sum(s, off + r * ld, n, l_i[r], natural, portable)
-    exp_inplace(alpha_i, 0, rows, natural, portable)  # all rows' rescale factors in a few vectors
+    for r in range(rows, n_alpha):
+        alpha_i[r] = 0.0
+    exp_inplace(alpha_i, 0, n_alpha, natural, portable)  # all rows' factors in a few vectors
 
 
 @helper
