@@ -337,3 +337,17 @@ def test_plain_forward_call_leaves_the_rest_to_the_checks(edit, options, error, 
     q, k, v = args["q"], args["k"], args["v"]
     ref = reference.attention(q, k, v, causal=causal, scale=scale)
     assert_close_to_reference(out, ref, q, k, v, causal, scale)
+
+
+@pytest.mark.parametrize("n_q", [65, 100, 129, 200])
+def test_a_row_gives_the_same_bits_in_a_short_last_query_block(n_q):
+    """A query block computes its own rows in whole micro-tiles, not its padding, and a key
+    tile's exponentials stop at the vector that holds the last key (stop 62): each row's
+    output and lse are those it gets among 256 query rows, where its block is full, bit for
+    bit (200 keys: a second key tile of 72, so the rescale factors count too)."""
+    q, k, v = rands((1, 3, 256, 64), (1, 3, 200, 64), (1, 3, 200, 64), seed=n_q)
+    full, full_lse = cpuflash.attention(q, k, v, return_lse=True)
+    part, part_lse = cpuflash.attention(q[:, :, :n_q], k, v, return_lse=True)
+    assert np.array_equal(part, full[:, :, :n_q])
+    assert np.array_equal(part_lse, full_lse[:, :, :n_q])
+    assert_close_to_reference(part, reference.attention(q[:, :, :n_q], k, v), q[:, :, :n_q], k, v)
