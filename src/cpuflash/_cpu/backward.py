@@ -136,6 +136,10 @@ def backward(qp, dout, lse_p, delta, kt, vtt, kn, block_q, d_pad, dv_pad,
                     for qb in range(n_qb):
                         q0 = qb * block_q
                         rows = min(block_q, n_q - q0)
+                        # The rows computed, as in the forward pass: the block's own in whole
+                        # micro-tiles, not a short last block's padding (since stop 62).
+                        rows_up = min(block_q,
+                                      -(-rows // config.MICRO_ROWS) * config.MICRO_ROWS)
                         kb_lo, kb_hi = tile_key_range(q0, q0 + rows, n_q, n_k, block_k, left,
                                                       right)
                         state = tile_state[b, h, qb, kb]
@@ -167,7 +171,7 @@ def backward(qp, dout, lse_p, delta, kt, vtt, kn, block_q, d_pad, dv_pad,
                         # skip them too.
                         banded = tile_needs_mask(q0, q0 + rows, k0, block_k, n_q, n_k, left,
                                                  right)
-                        n_runs = band_runs(runs, block_q, banded, rows, q0, k0, n_q, n_k, left,
+                        n_runs = band_runs(runs, rows_up, banded, rows, q0, k0, n_q, n_k, left,
                                            right, block_k, width)
                         for i in range(n_runs):
                             r0, r1, need = runs[i, 0], runs[i, 1], runs[i, 2]
@@ -196,7 +200,7 @@ def backward(qp, dout, lse_p, delta, kt, vtt, kn, block_q, d_pad, dv_pad,
                                 exp_shifted(s, r * ld_s, need, lse_r[r], PORTABLE)
                                 fill(s, r * ld_s + need, r * ld_s + block_k, 0.0, PORTABLE)
                         # Padding rows: P = 0 exactly, even where a NaN key made their score NaN.
-                        s[rows * ld_s:] = 0.0
+                        s[rows * ld_s:rows_up * ld_s] = 0.0
                         # dP = dO V^T, then dS = P * (dP - delta) (dropout first drops dP's keys)
                         if drop_below > 0:
                             # By runs too (dS is 0 past them, where P is): with the S product's
@@ -213,7 +217,7 @@ def backward(qp, dout, lse_p, delta, kt, vtt, kn, block_q, d_pad, dv_pad,
                                 dropout_row(ds, r * ld_s, block_k, seed,
                                             (b * n_hq + h) * n_q + q0 + r, k0, drop_below,
                                             inv_keep)
-                            for r in range(block_q):
+                            for r in range(rows_up):
                                 softmax_grad_row(s, ds, r * ld_s, block_k, delta_r[r], PORTABLE)
                         else:  # dS = 0 where P = 0 past the panels computed
                             for i in range(n_runs):
@@ -245,15 +249,18 @@ def backward(qp, dout, lse_p, delta, kt, vtt, kn, block_q, d_pad, dv_pad,
                         # see a key only if every later block's do, so with one query head a
                         # group those keys' sums are still 0 and the bits are the same; with
                         # several, a compensated add of 0 would have folded the compensation
-                        # into the sum a block earlier than the next add does.)
+                        # into the sum a block earlier than the next add does.) The sums run over
+                        # the computed rows only: a short last block's padding rows gave terms
+                        # P * dO = dS * Q = 0 * 0 at the end of one running sum started at +0,
+                        # which never turns -0, so leaving them out changes no bit.
                         key_rows = 0
                         for i in range(n_runs):
                             key_rows = max(key_rows, runs[i, 2])
                         tile_product_kahan(dv_acc, 0, dv_pad, s, 0, 1, ld_s, doa, doa_off, dv_pad,
-                                           1, key_rows, dv_pad, block_q, dv_comp, 0, dv_comp, 0,
+                                           1, key_rows, dv_pad, rows_up, dv_comp, 0, dv_comp, 0,
                                            dv_part, PORTABLE)
                         tile_product_kahan(dk_acc, 0, d_pad, ds, 0, 1, ld_s, qa, qa_off, d_pad, 1,
-                                           key_rows, d_pad, block_q, dk_comp, 0, dk_comp, 0,
+                                           key_rows, d_pad, rows_up, dk_comp, 0, dk_comp, 0,
                                            dk_part, PORTABLE)
                         dq_off = (((chunk * n_b + b) * n_hq + h) * rows_padded + q0) * d_pad
                         for i in range(n_runs):  # dS is 0 past a run's panels
