@@ -8,7 +8,9 @@ Cases: ``KVCache.attention`` decode steps (Nq=1, D=64; Hq=8 Hkv=2 at Nk=64 and 3
 small's Hq=Hkv=12 at Nk=1024) and forward calls (D=64; H=8 N=2048, causal N=2048, N=512; a
 GPT-2-small layer's causal prompts, H=12 N=64 and 256, and of lengths that are not a whole
 number of 64-key panels, N=37 and 200, and N=100 without a mask) and a MiniLM batch of 32
-sentences through ``attention_varlen``. ``--forward-only``: those alone.
+sentences through ``attention_varlen``; backward passes (``attention_backward``, D=64,
+H=12 N=65 and causal N=200, H=8 N=2048; without sinks). ``--forward-only``: the forward
+calls alone.
 A/A spread: two identical caches differ by up to 1.5 % (stop 57). Not collected by pytest.
 
     python bench/cpu_ab.py --base REV [--rounds 300] [--forward-only]
@@ -28,6 +30,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 STEPS = ((8, 2, 64), (8, 2, 32768), (12, 12, 1024))  # (Hq, Hkv, Nk)
 FORWARDS = ((8, 2048, False), (8, 2048, True), (8, 512, False), (12, 64, True),
             (12, 256, True), (12, 37, True), (12, 200, True), (12, 100, False))  # (H, N, causal)
+BACKWARDS = ((12, 65, False), (12, 65, True), (12, 200, True), (8, 2048, False))
 SHORT = 512  # forward calls up to this N run ``--rounds`` times, longer ones a quarter of it
 
 
@@ -84,6 +87,17 @@ def compare(case, mods, call, sinks, rounds, unit, factor):
           f"{t['new+s'] - t['new']:8.1f} {diff:9.1e}  ({unit})")
 
 
+def compare_backward(case, mods, call, rounds, unit, factor):
+    """One backward case, ``call(mod)`` for the base and this tree: the same bits (dq, dk,
+    dv) and the medians (no sinks: their gradient is a column of its own)."""
+    base, new = mods
+    bits = same_bits(call(base), call(new))
+    t = medians_side_by_side({"base": lambda: call(base), "new": lambda: call(new)}, rounds)
+    t = {name: value * factor for name, value in t.items()}
+    print(f"{case:>30} | {'yes' if bits else 'NO':>4} {t['base']:9.1f} {t['new']:9.1f} "
+          f"{t['new'] / t['base']:6.3f} |  ({unit})")
+
+
 def main(argv=None):
     a = parse(argv)
     rng = np.random.default_rng(0)
@@ -119,6 +133,15 @@ def main(argv=None):
                 lambda mod, s: mod.attention_varlen(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu, cu,
                                                     **options(s)),
                 rng.standard_normal(12).astype(np.float32), a.rounds, "us", 1e6)
+        for n_h, n, causal in () if a.forward_only else BACKWARDS:
+            q, k, v, dout = (rng.standard_normal((1, n_h, n, 64)).astype(np.float32)
+                             for _ in range(4))
+            out, lse = cpuflash.attention(q, k, v, causal=causal, return_lse=True)
+            compare_backward(f"backward H={n_h} N={n}{' causal' if causal else ''}", mods,
+                             lambda mod: mod.attention_backward(dout, q, k, v, out, lse,
+                                                                causal=causal),
+                             *((a.rounds, "us", 1e6) if n <= SHORT else
+                               (a.rounds // 8, "ms", 1e3)))
 
 
 if __name__ == "__main__":
