@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import cpuflash
-from cpuflash import reference
+from cpuflash import config, reference
 from conftest import rand
 
 LENS_Q = [5, 1, 0, 130, 17]
@@ -155,6 +155,10 @@ def test_sequence_table_blocks_and_task_lookup():
     owners = [sq.find_task(table, 2, t) for t in range(n_tasks)]
     assert owners == [(0, 0, 0), (0, 1, 0), (2, 0, 0), (2, 0, 1), (2, 1, 0), (2, 1, 1)]
     assert [sq.owner(table, sq.TILE0, t) for t in range(n_tiles)] == [0, 1]
+    # the rows a block computes: its own in whole micro-tiles, never past the block
+    mr = config.MICRO_ROWS
+    assert sq.computed_rows(1, 64) == mr and sq.computed_rows(64, 64) == 64
+    assert sq.computed_rows(mr + 1, 64) == 2 * mr and sq.computed_rows(63, 64) == 64
 
 
 @pytest.mark.parametrize("kwargs,exc,words", [

@@ -25,6 +25,7 @@ from numba import prange
 from .. import config
 from . import simd
 from ._jit import kernel, portable_twin
+from .sequences import computed_rows
 from .tasks import new_claims, next_task, run_shared, unravel
 from .masking import (HIDDEN, MIXED, apply_user_mask, band_runs, fill, mask_tile,
                       tile_key_range, tile_needs_mask)
@@ -136,10 +137,7 @@ def backward(qp, dout, lse_p, delta, kt, vtt, kn, block_q, d_pad, dv_pad,
                     for qb in range(n_qb):
                         q0 = qb * block_q
                         rows = min(block_q, n_q - q0)
-                        # The rows computed, as in the forward pass: the block's own in whole
-                        # micro-tiles, not a short last block's padding (since stop 62).
-                        rows_up = min(block_q,
-                                      -(-rows // config.MICRO_ROWS) * config.MICRO_ROWS)
+                        rows_up = computed_rows(rows, block_q)  # as the forward pass's
                         kb_lo, kb_hi = tile_key_range(q0, q0 + rows, n_q, n_k, block_k, left,
                                                       right)
                         state = tile_state[b, h, qb, kb]

@@ -36,7 +36,8 @@ from numba import prange
 from .. import config
 from . import sequences, simd
 from ._jit import helper, kernel, portable_twin
-from .sequences import BLOCK_Q, N_Q, N_QB, Q_BATCH, Q_ROW0, TASK0, TILE0, TILES, find_task
+from .sequences import (BLOCK_Q, N_Q, N_QB, Q_BATCH, Q_ROW0, TASK0, TILE0, TILES,
+                        computed_rows, find_task)
 from .tasks import new_claims, next_task, num_threads, run_shared
 from .decode import MAX_NQ, NO_SINKS, arrays_of_blocks, run_decode, sink_of
 from ..masks import UserMask
@@ -180,11 +181,7 @@ def forward(q, kt, vt, n_hkv, block_q, scale, left, right, seqs, kv_lens, softca
             n_k = kv_lens[b]
             q0 = qb * bq
             rows = min(bq, n_q - q0)
-            # The rows computed: the block's own rows in whole micro-tiles. A sequence's last
-            # block may hold few (N=65 in blocks of 64: one), and the padding past them is
-            # neither computed nor read (before stop 62, a block's every row: at N=65 a head
-            # took 2.5 times N=64's time).
-            rows_up = min(bq, -(-rows // config.MICRO_ROWS) * config.MICRO_ROWS)
+            rows_up = computed_rows(rows, bq)  # its padding past them: never computed or read
             out_row0 = q_b * out_layout[0] + h * out_layout[1] + (row0 + q0) * out_layout[2]
             q_s[:rows_up * d] = 0.0
             acc[:rows_up * dv_pad] = 0.0

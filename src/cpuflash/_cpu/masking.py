@@ -73,8 +73,8 @@ def band_columns(r0, mr, rows, q0, k0, n_q, kv_len, left, right, block_k, width)
 
 @helper
 def band_runs(runs, bq, banded, rows, q0, k0, n_q, kv_len, left, right, block_k, width):
-    """The runs of whole ``MICRO_ROWS`` row blocks of a tile's first ``bq`` rows (the forward
-    pass: its query block's rows in whole micro-tiles, since stop 62) that need the same
+    """The runs of whole ``MICRO_ROWS`` row blocks of a tile's first ``bq`` rows (the rows its
+    query block computes, ``sequences.computed_rows``) that need the same
     columns of the key tile from ``k0`` computed (``band_columns``: the first ``need``, 0 for
     none), in order, as many blocks a run as do, into ``runs`` (an int64 array of at least
     ``ceil(bq / MICRO_ROWS)`` rows of three): ``(r0, r1, need)`` each; returns how many. On a

@@ -18,6 +18,7 @@ import functools
 
 import numpy as np
 
+from .. import config
 from ._jit import helper
 
 Q_BATCH, Q_ROW0, N_Q, BLOCK_Q, N_QB, TILE0, TILES, TASK0 = range(8)
@@ -56,6 +57,16 @@ def fitted_block(n_q, block_q, rows_quantum):
     n_qb = max(1, -(-n_q // block_q))
     rows = max(1, -(-n_q // n_qb))
     return -(-rows // rows_quantum) * rows_quantum
+
+
+@helper
+def computed_rows(rows, block):
+    """The rows a query block of ``block`` rows computes for its ``rows`` real ones, forward and
+    backward: whole micro-tiles (``MICRO_ROWS``), not the block's padding past them. A dense
+    sequence's last block may hold few rows (N=65 in blocks of 64: one, which until stop 62
+    computed 64, and a head took 2.5 times N=64's time); a varlen sequence's blocks are fitted
+    to it (``fitted_block``), so its padding is less than a micro-tile a block anyway."""
+    return min(block, -(-rows // config.MICRO_ROWS) * config.MICRO_ROWS)
 
 
 def varlen(q_starts, q_lens, k_lens, n_hq, n_hkv, block_q, block_k, rows_quantum):
