@@ -7,7 +7,8 @@ calls compile (a minute or two).
 Cases: ``KVCache.attention`` decode steps (Nq=1, D=64; Hq=8 Hkv=2 at Nk=64 and 32768, GPT-2
 small's Hq=Hkv=12 at Nk=1024) and forward calls (D=64; H=8 N=2048, causal N=2048, N=512; a
 GPT-2-small layer's causal prompts, H=12 N=64 and 256, and of lengths that are not a whole
-number of 64-key panels, N=37 and 200, and N=100 without a mask) and a MiniLM batch of 32
+number of 64-key panels, N=37 and 200, and N=100 without a mask), few queries on few keys
+(``CHUNKS``: a 16-token prompt, chunks of 4-16 queries on 256-2048 keys) and a MiniLM batch of 32
 sentences through ``attention_varlen``; backward passes (``attention_backward``, D=64,
 H=12 N=65 and causal N=200, H=8 N=2048; without sinks). ``--forward-only``: the forward
 calls alone.
@@ -31,6 +32,11 @@ STEPS = ((8, 2, 64), (8, 2, 32768), (12, 12, 1024))  # (Hq, Hkv, Nk)
 FORWARDS = ((8, 2048, False), (8, 2048, True), (8, 512, False), (12, 64, True),
             (12, 256, True), (12, 37, True), (12, 200, True), (12, 100, False))  # (H, N, causal)
 BACKWARDS = ((12, 65, False), (12, 65, True), (12, 200, True), (8, 2048, False))
+# Few queries on few keys: a 16-token prompt, chunks of a chunked prefill (Hq, Hkv, Nq, Nk,
+# causal); since stop 63 those of 8 to 16 queries on at most 512 keys take the tiled path
+# (``decode.takes_decode``), the others stay on the decode path.
+CHUNKS = ((12, 12, 16, 16, True), (8, 2, 16, 256, True), (12, 12, 8, 512, True),
+          (12, 12, 4, 512, True), (8, 2, 16, 2048, True))
 SHORT = 512  # forward calls up to this N run ``--rounds`` times, longer ones a quarter of it
 
 
@@ -124,6 +130,13 @@ def main(argv=None):
                     lambda mod, s: mod.attention(q, k, v, causal=causal, **options(s)),
                     rng.standard_normal(n_h).astype(np.float32),
                     *((a.rounds, "us", 1e6) if n <= SHORT else (a.rounds // 8, "ms", 1e3)))
+        for n_hq, n_hkv, n_q, n_k, causal in CHUNKS:
+            q = rng.standard_normal((1, n_hq, n_q, 64)).astype(np.float32)
+            k, v = (rng.standard_normal((1, n_hkv, n_k, 64)).astype(np.float32)
+                    for _ in range(2))
+            compare(f"Hq={n_hq} Hkv={n_hkv} Nq={n_q} Nk={n_k}{' causal' if causal else ''}",
+                    mods, lambda mod, s: mod.attention(q, k, v, causal=causal, **options(s)),
+                    rng.standard_normal(n_hq).astype(np.float32), a.rounds, "us", 1e6)
         # A MiniLM batch: 32 sentences of 5-128 tokens packed, H=12, D=32, q, k and v the
         # slices of a fused projection (the last tile of every sequence ends past its keys)
         lens = rng.integers(5, 129, size=32)

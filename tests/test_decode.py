@@ -174,6 +174,49 @@ def test_plain_decode_call_skips_the_general_checks(dtype, cache, causal, scale,
     np.testing.assert_allclose(plain, ref, rtol=0, atol=1e-12 if dtype == np.float64 else 2e-6)
 
 
+@pytest.mark.parametrize("n_q, n_k, cache, decodes", [
+    (1, 16, False, True), (7, 512, False, True), (8, 512, False, False),
+    (16, 16, False, False), (16, 513, False, True), (17, 16, False, False),
+    (16, 16, True, True), (1, 32768, True, True), (17, 64, True, False)])
+def test_takes_decode(n_q, n_k, cache, decodes):
+    """The decode path takes up to MAX_NQ queries, but not 8 or more on at most 512 keys in q's
+    dtype (the tiled kernel is faster there); a KVCache's blocks or a float16/int8 cache
+    (``cache``) it always takes up to MAX_NQ queries."""
+    assert decode.takes_decode(n_q, n_k, cache) is decodes
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_short_prompt_takes_the_tiled_path(causal, dtype, monkeypatch):
+    """A 16-token prompt (8 to MAX_NQ queries, at most TILED_MAX_KEYS keys) runs the tiled
+    kernel, plain call or not, with or without the lse: its rows are bit for bit the first 16
+    of a 17-token prompt's (the decode path's are not), and match the reference."""
+    from cpuflash import api
+    from cpuflash._cpu import forward
+    q, k, v = (rand((1, 4, 17, 32), seed=s).astype(dtype) for s in (11, 12, 13))
+    k, v = k[:, :2], v[:, :2]  # GQA
+    longer, longer_lse = cpuflash.attention(q, k, v, causal=causal, return_lse=True)
+    q16, k16, v16 = (x[:, :, :16] for x in (q, k, v))
+    rows = (slice(None), slice(None), slice(0, 16))
+    if not causal:  # the same keys, one query fewer
+        k16, v16 = k, v
+
+    def no_decode(*args, **kwargs):
+        raise AssertionError("the short prompt took the decode path")
+
+    monkeypatch.setattr(forward, "run_decode", no_decode)
+    monkeypatch.setattr(api, "decode", no_decode)
+    out = cpuflash.attention(q16, k16, v16, causal=causal)
+    np.testing.assert_array_equal(out, longer[rows])
+    out_too, lse = cpuflash.attention(q16, k16, v16, causal=causal, return_lse=True)
+    np.testing.assert_array_equal(out_too, longer[rows])
+    np.testing.assert_array_equal(lse, longer_lse[rows])
+    general = cpuflash.attention(q16, k16, v16, causal=causal, out=np.empty_like(q16))
+    np.testing.assert_array_equal(general, longer[rows])
+    ref = reference.attention(q16, k16, v16, causal=causal)
+    assert_close_to_reference(out, ref, q16, k16, v16, causal)
+
+
 def _k_float64(a):
     a["k"] = a["k"].astype(np.float64)
 

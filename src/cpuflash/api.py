@@ -8,7 +8,8 @@ from . import _checks, config, masks
 from . import sinks as _sinks
 from ._cpu import bfloat16
 from ._cpu.backward import run_backward
-from ._cpu.decode import ARG, MAX_NQ, StepPlan, arrays_of_blocks, decode, decode_args
+from ._cpu.decode import (ARG, MAX_NQ, StepPlan, arrays_of_blocks, decode, decode_args,
+                          takes_decode)
 from ._cpu.forward import run_forward
 
 __all__ = ["attention", "attention_backward", "attention_vjp", "merge", "set_num_threads",
@@ -184,8 +185,9 @@ def _plain_decode(q, k, v, causal, scale, kv_blocks=None, kv_scales=None):
     accept as they stand: 4-D numpy q, k, v with q float32 or float64, k and v of q's dtype (or
     a float16 cache with float32 q, or an int8 one with float32 q and ``kv_scales = (k_scale,
     v_scale)``, float32 numpy arrays of shape (B, Hkv, Nk)), matching shapes with ``Hq % Hkv ==
-    0``, 1 to ``MAX_NQ`` queries, at least one key, ``causal`` a bool, ``scale`` None or a
-    float. It runs the same kernel on the same arguments as the general path (the same bits).
+    0``, the queries and keys ``decode.takes_decode`` gives this path (1 to ``MAX_NQ``
+    queries, not ``TILED_FROM_NQ`` or more on at most ``TILED_MAX_KEYS`` keys of q's dtype),
+    ``causal`` a bool, ``scale`` None or a float. It runs the same kernel on the same arguments as the general path (the same bits).
     ``kv_blocks``: as ``attention_on_blocks``. (int8 steps took the general path until stop 40:
     95 us a call against float16's 40, Nk=64.)"""
     args = _plain_decode_args(q, k, v, causal, scale, kv_blocks, kv_scales)
@@ -200,8 +202,9 @@ def _plain_forward(q, k, v, causal, scale, return_lse):
     straight to ``run_forward`` with the arguments the general path would build (the same
     kernel on the same arguments: the same bits), or None for anything else (the general path
     then checks it, and raises what it must). It takes what ``_plain_shapes`` takes (any
-    strides), with more than ``MAX_NQ`` queries (fewer are ``_plain_decode``'s) and K and V of
-    q's dtype.
+    strides) with K and V of q's dtype: more than ``MAX_NQ`` queries, and fewer where
+    ``_plain_decode`` does not take them (the tiled path's short calls, ``decode.takes_decode``,
+    and calls that ask for the lse, which ``run_forward`` hands to the decode path).
 
     The general path's checks and objects cost a call about 18 us more (B=1, H=1, N=64, D=64:
     83 against 65 us, side by side), what a small model's short sequences pay on every layer
@@ -210,7 +213,7 @@ def _plain_forward(q, k, v, causal, scale, return_lse):
     if shapes is None:
         return None
     n_b, n_hq, n_q, n_k, d, q_type, k_type = shapes
-    if not (n_q > MAX_NQ and k_type is q_type):
+    if k_type is not q_type:
         return None
     out, lse = run_forward(q, k, v, _checks.scale(scale, d),
                            masks.band(causal, None, None, n_b, n_k),
@@ -228,9 +231,9 @@ def _plain_decode_args(q, k, v, causal, scale, kv_blocks, kv_scales):
         return None
     n_b, n_hq, n_q, n_k, d, q_type, k_type = shapes
     n_hkv = v.shape[1]
-    if not (n_q <= MAX_NQ and (k_type is q_type
-                               or (k_type is np.float16 and q_type is np.float32)
-                               or (k_type is np.int8 and q_type is np.float32))):
+    if not (takes_decode(n_q, n_k, kv_blocks is not None or k_type is not q_type)
+            and (k_type is q_type or (k_type is np.float16 and q_type is np.float32)
+                 or (k_type is np.int8 and q_type is np.float32))):
         return None
     if (k_type is np.int8) != (kv_scales is not None):
         return None

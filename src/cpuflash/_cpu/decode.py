@@ -153,8 +153,30 @@ MIN_SPLIT_KEYS = 1024
 MAX_SPLIT_KEYS = 4096
 TASKS = 16  # keeps up to 16 threads busy where the keys allow it
 MAX_SPLITS = 64  # caps the partial results at 64 * (B, Hq, Nq, Dv), whatever Nk
-MAX_NQ = 16            # attention() takes this path for Nq up to this
+MAX_NQ = 16            # attention() takes this path for Nq up to this (but see below)
 SERIAL_COMBINE = 1 << 18  # partial-output elements up to which the merge runs on one thread
+# From TILED_FROM_NQ queries on, a call with no more than TILED_MAX_KEYS keys in q's own dtype
+# takes the tiled forward pass instead (``takes_decode``): there the work is the products', not
+# the read of K and V, and the tiled kernel's register-blocked products over a query block do
+# it faster than this path's rows of dot products. Measured (stop 63, 2 threads, float32, D=64,
+# B=1, causal, one process, the paths in alternating order, medians, decode / tiled time):
+# Hq=Hkv=12, Nq=16: 1.68-1.85 at Nk=16-64, 1.35 at 256, 1.25-1.41 at 512, 0.75-0.95 at 1024;
+# Nq=8: 1.26 at 64, 0.97-0.98 at 256-512, 0.52 at 1024; Nq=4: 0.97-1.14 (Nk=16-128), then
+# 0.72; Nq=2 and 1: 0.3-0.94. Hq=8, Hkv=2: Nq=16 1.52-1.81 at Nk=16-512, 1.55 at 1024, 1.10
+# at 2048-4096; Nq=8 1.13-1.34 up to 1024, 0.88-1.01 at 2048-4096; Nq=4 0.95-1.12; Nq=2 0.6-0.8.
+# A KVCache's blocks and float16/int8 caches stay on this path: it reads them in place.
+TILED_FROM_NQ = 8
+TILED_MAX_KEYS = 512
+
+
+def takes_decode(n_q, n_k, cache):
+    """Whether ``attention`` takes the decode path for ``n_q`` queries and ``n_k`` keys (with
+    the portable kernels it never does). ``cache``: K and V are a KVCache's blocks or in a
+    storage type (float16, int8), which this path reads in place: up to ``MAX_NQ`` queries it
+    always takes those."""
+    if n_q > MAX_NQ:
+        return False
+    return cache or n_q < TILED_FROM_NQ or n_k > TILED_MAX_KEYS
 
 
 def chunk_keys(rows, itemsize):

@@ -39,7 +39,7 @@ from ._jit import helper, kernel, portable_twin
 from .sequences import (BLOCK_Q, N_Q, N_QB, Q_BATCH, Q_ROW0, TASK0, TILE0, TILES,
                         computed_rows, find_task)
 from .tasks import new_claims, next_task, num_threads, run_shared
-from .decode import MAX_NQ, NO_SINKS, arrays_of_blocks, run_decode, sink_of
+from .decode import NO_SINKS, arrays_of_blocks, run_decode, sink_of, takes_decode
 from ..masks import UserMask
 from .pack import empty, output, packed_kv, packed_varlen, scratch
 from .masking import (HIDDEN, MIXED, apply_user_mask, band_runs, mask_tile,
@@ -303,7 +303,7 @@ def run_forward(q, k, v, scale, band, mods, user_mask, drop, portable, out=None,
         out[...] = 0.0
         lse[...] = -np.inf if sinks is None else sinks[:, :, None]
         return out, lse
-    if n_q <= MAX_NQ and not portable:  # the decode path's calls (asking costs a microsecond)
+    if not portable and takes_decode(n_q, n_k, kv_blocks is not None or k.dtype != q.dtype):
         decoded = run_decode(q, k, v, scale, band, mods, user_mask, drop, out, kv_scales, lse,
                              kv_blocks, sinks)
         if decoded is not None:
