@@ -155,18 +155,19 @@ TASKS = 16  # keeps up to 16 threads busy where the keys allow it
 MAX_SPLITS = 64  # caps the partial results at 64 * (B, Hq, Nq, Dv), whatever Nk
 MAX_NQ = 16            # attention() takes this path for Nq up to this (but see below)
 SERIAL_COMBINE = 1 << 18  # partial-output elements up to which the merge runs on one thread
-# From TILED_FROM_NQ queries on, a call with no more than TILED_MAX_KEYS keys in q's own dtype
-# takes the tiled forward pass instead (``takes_decode``): there the work is the products', not
-# the read of K and V, and the tiled kernel's register-blocked products over a query block do
-# it faster than this path's rows of dot products. Measured (stop 63, 2 threads, float32, D=64,
-# B=1, causal, one process, the paths in alternating order, medians, decode / tiled time):
-# Hq=Hkv=12, Nq=16: 1.68-1.85 at Nk=16-64, 1.35 at 256, 1.25-1.41 at 512, 0.75-0.95 at 1024;
-# Nq=8: 1.26 at 64, 0.97-0.98 at 256-512, 0.52 at 1024; Nq=4: 0.97-1.14 (Nk=16-128), then
-# 0.72; Nq=2 and 1: 0.3-0.94. Hq=8, Hkv=2: Nq=16 1.52-1.81 at Nk=16-512, 1.55 at 1024, 1.10
-# at 2048-4096; Nq=8 1.13-1.34 up to 1024, 0.88-1.01 at 2048-4096; Nq=4 0.95-1.12; Nq=2 0.6-0.8.
+# From TILED_FROM_NQ queries on, a call with at most TILED_KEYS_PER_QUERY keys a query, K and V
+# in q's own dtype, takes the tiled forward pass instead (``takes_decode``): there the work is
+# the products, not the read of K and V, and the tiled kernel's register-blocked products over a
+# query block do it faster than this path's rows of dot products, packing K and V included.
+# Measured (stop 63, 2 threads, float32, D=64, B=1, causal; one process, calls of the two paths
+# in alternating order, medians; decode / tiled time at Nk = 16, 64, 128, 256, 512, 1024):
+#   Hq=Hkv=12, Nq=16: 1.53 1.45 1.40 1.17 1.01 0.87;  Nq=8: 1.05 1.12 1.28 1.01 0.77 0.59;
+#   Nq=6: 0.90 1.00 0.93 0.85 0.64 0.52;
+#   Hq=8, Hkv=2, Nq=16: 1.32 1.37 1.45 1.42 1.26 1.20;  Nq=8: 0.97-1.10;  Nq=4: 0.84-0.93.
+# (GQA's 16-query chunks would gain up to 1024 keys and more; the rule stays with MHA's.)
 # A KVCache's blocks and float16/int8 caches stay on this path: it reads them in place.
 TILED_FROM_NQ = 8
-TILED_MAX_KEYS = 512
+TILED_KEYS_PER_QUERY = 16
 
 
 def takes_decode(n_q, n_k, cache):
@@ -176,7 +177,7 @@ def takes_decode(n_q, n_k, cache):
     always takes those."""
     if n_q > MAX_NQ:
         return False
-    return cache or n_q < TILED_FROM_NQ or n_k > TILED_MAX_KEYS
+    return cache or n_q < TILED_FROM_NQ or n_k > TILED_KEYS_PER_QUERY * n_q
 
 
 def chunk_keys(rows, itemsize):
