@@ -186,8 +186,8 @@ def _plain_decode(q, k, v, causal, scale, kv_blocks=None, kv_scales=None):
     a float16 cache with float32 q, or an int8 one with float32 q and ``kv_scales = (k_scale,
     v_scale)``, float32 numpy arrays of shape (B, Hkv, Nk)), matching shapes with ``Hq % Hkv ==
     0``, the queries and keys ``decode.takes_decode`` gives this path (1 to ``MAX_NQ``
-    queries, not ``TILED_FROM_NQ`` or more with at most ``TILED_KEYS_PER_QUERY`` keys a query
-    in q's dtype), ``causal`` a bool, ``scale`` None or a float. It runs the same kernel on
+    queries, not ``TILED_FROM_NQ`` or more with at most ``TILED_KEYS_PER_ROW`` keys a query
+    row of a GQA group, in q's dtype), ``causal`` a bool, ``scale`` None or a float. It runs the same kernel on
     the same arguments as the general path (the same bits). ``kv_blocks``: as
     ``attention_on_blocks``. (int8 steps took the general path until stop 40: 95 us a call
     against float16's 40, Nk=64.)"""
@@ -232,7 +232,8 @@ def _plain_decode_args(q, k, v, causal, scale, kv_blocks, kv_scales):
         return None
     n_b, n_hq, n_q, n_k, d, q_type, k_type = shapes
     n_hkv = v.shape[1]
-    if not (takes_decode(n_q, n_k, kv_blocks is not None or k_type is not q_type)
+    cache = kv_blocks is not None or k_type is not q_type  # read in place by the decode path
+    if not (takes_decode(n_q, n_k, n_hq // n_hkv, cache)
             and (k_type is q_type or (k_type is np.float16 and q_type is np.float32)
                  or (k_type is np.int8 and q_type is np.float32))):
         return None

@@ -303,7 +303,8 @@ def run_forward(q, k, v, scale, band, mods, user_mask, drop, portable, out=None,
         out[...] = 0.0
         lse[...] = -np.inf if sinks is None else sinks[:, :, None]
         return out, lse
-    if not portable and takes_decode(n_q, n_k, kv_blocks is not None or k.dtype != q.dtype):
+    if not portable and takes_decode(n_q, n_k, n_hq // v.shape[1],
+                                     kv_blocks is not None or k.dtype != q.dtype):
         decoded = run_decode(q, k, v, scale, band, mods, user_mask, drop, out, kv_scales, lse,
                              kv_blocks, sinks)
         if decoded is not None:
