@@ -30,7 +30,7 @@ from .tasks import new_claims, next_task, run_shared, unravel
 from .masking import (HIDDEN, MIXED, apply_user_mask, band_runs, fill, mask_tile,
                       tile_key_range, tile_needs_mask)
 from .dropout import dropout_row
-from .scores import modify_row, tanh_grad_row
+from .scores import modifies, modify_row, tanh_grad_row
 from .pack import (pack_tiles, packed_rows, packed_transposed, reusable, scratch,
                    workspace)
 from .tiles import (exp_shifted, softmax_grad_row, tile_product_add, tile_product_kahan,
@@ -81,7 +81,7 @@ def backward(qp, dout, lse_p, delta, kt, vtt, kn, block_q, d_pad, dv_pad,
     direct = n_dv == dv_pad
     qp_flat, do_flat = qp.reshape(-1), dout.reshape(-1)
     rows_q = qp.shape[2]
-    modify = softcap != 0.0 or np.any(slopes != 0.0)
+    modify = modifies(softcap, slopes)
     ld_s = block_k + simd.lanes_of(dk)  # score rows a vector longer: see forward.py
     width = config.MICRO_VECS * simd.lanes_of(dk)  # a key panel (masking.band_runs)
     n_k_all = mask_bools.shape[3]

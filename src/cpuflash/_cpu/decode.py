@@ -39,7 +39,7 @@ from ._jit import helper, kernel
 from .tasks import unravel
 from .dropout import dropout_row
 from .masking import apply_user_mask, row_band
-from .scores import modify_row
+from .scores import modifies, modify_row
 from .pack import ALIGN_BYTES, scratch
 from .tiles import online_softmax, rescale_add, tile_product, tile_product_ahead
 from ..masks import key_lengths
@@ -481,7 +481,7 @@ def decode(q, k, k_strides, k_block, k_panel, k_storage, prefetch, v, v_strides,
     ld = dv  # acc row stride
     # whole chunks per split: every chunk but the array's last is full and starts aligned
     split_len = ((n_k + n_splits - 1) // n_splits + CHUNK - 1) // CHUNK * CHUNK
-    modify = softcap2 != 0.0 or np.any(slopes2 != 0.0)
+    modify = modifies(softcap2, slopes2)
     quantized = k_scale.size > 0
     keys_unit = k_strides[3] != 1  # K stored transposed: a key's D values k_strides[3] apart
     blocked = k_block != KEY_BLOCK * k_strides[2]  # K in blocks (KVCache's layout)

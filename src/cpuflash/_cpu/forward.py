@@ -45,7 +45,7 @@ from .pack import empty, output, packed_kv, packed_varlen, scratch
 from .masking import (HIDDEN, MIXED, apply_user_mask, band_runs, mask_tile,
                       tile_key_range, tile_needs_mask)
 from .dropout import dropout_row
-from .scores import modify_row
+from .scores import modifies, modify_row
 from .tiles import (divide_row, online_softmax, row_max, scale_row, tile_product_max,
                     tile_product_rescale)
 
@@ -150,7 +150,7 @@ def forward(q, kt, vt, n_hkv, block_q, scale, left, right, seqs, kv_lens, softca
     # alias in L1 and in the store-to-load forwarding of the tile products.
     lanes = simd.lanes_of(out_flat)
     ld_s = block_k + lanes
-    modify = softcap != 0.0 or np.any(slopes != 0.0)
+    modify = modifies(softcap, slopes)
     no_t = np.empty(0, dtype=out_flat.dtype)
     n_k_all = mask_bools.shape[3]
     n_tasks = seqs[-1, TASK0] + n_hq * seqs[-1, N_QB] if seqs.shape[0] else 0
