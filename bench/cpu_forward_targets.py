@@ -32,6 +32,7 @@ SMALL = (  # no target
     (1, 16, 64, 64, False, None),
     (1, 12, 64, 64, True, None),     # a GPT-2-small layer, a prompt of 64 tokens
     (1, 12, 37, 64, True, None),     # and of 37: its one tile ends past the last key
+    (1, 12, 16, 64, True, None),     # and of 16: the tiled path since stop 63, not decode's
     (1, 12, 256, 64, True, None),
 )
 BUDGET_S = 30.0  # a round's cap per shape; N=8192 causal takes about 0.4 s a call
