@@ -208,13 +208,18 @@ def test_a_short_prompt_takes_the_tiled_path(causal, dtype, monkeypatch):
 
     monkeypatch.setattr(forward, "run_decode", no_decode)
     monkeypatch.setattr(api, "decode", no_decode)
+    general_checks = []
+    prepare = api._prepare
+    monkeypatch.setattr(api, "_prepare", lambda *a: general_checks.append(1) or prepare(*a))
     out = cpuflash.attention(q16, k16, v16, causal=causal)
     np.testing.assert_array_equal(out, longer[rows])
     out_too, lse = cpuflash.attention(q16, k16, v16, causal=causal, return_lse=True)
     np.testing.assert_array_equal(out_too, longer[rows])
     np.testing.assert_array_equal(lse, longer_lse[rows])
+    assert not general_checks  # both plain calls: api._plain_forward
     general = cpuflash.attention(q16, k16, v16, causal=causal, out=np.empty_like(q16))
     np.testing.assert_array_equal(general, longer[rows])
+    assert general_checks
     ref = reference.attention(q16, k16, v16, causal=causal)
     assert_close_to_reference(out, ref, q16, k16, v16, causal)
 
