@@ -33,9 +33,8 @@ FORWARDS = ((8, 2048, False), (8, 2048, True), (8, 512, False), (12, 64, True),
             (12, 256, True), (12, 37, True), (12, 200, True), (12, 100, False))  # (H, N, causal)
 BACKWARDS = ((12, 65, False), (12, 65, True), (12, 200, True), (8, 2048, False))
 # Few queries on few keys: a 16-token prompt, chunks of a chunked prefill (Hq, Hkv, Nq, Nk,
-# causal); since stop 63 those of 8 to 16 queries with at most 32 keys a query row of a GQA
-# group take the tiled path (``decode.takes_decode``: the first five here), the others stay on
-# the decode path.
+# causal); since stop 63 those of 8 to 16 queries on few keys take the tiled path
+# (``decode.takes_decode``: the first five here), the others stay on the decode path.
 CHUNKS = ((12, 12, 16, 16, True), (8, 2, 16, 256, True), (12, 12, 8, 128, True),
           (8, 2, 16, 1024, True), (8, 2, 16, 2048, True), (12, 12, 8, 512, True),
           (12, 12, 4, 512, True), (8, 2, 16, 4096, True))

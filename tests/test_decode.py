@@ -175,22 +175,24 @@ def test_plain_decode_call_skips_the_general_checks(dtype, cache, causal, scale,
 
 
 @pytest.mark.parametrize("n_q, n_k, group, cache, decodes", [
-    (1, 16, 1, False, True), (7, 16, 1, False, True), (8, 256, 1, False, False),
-    (8, 257, 1, False, True), (16, 16, 1, False, False), (16, 512, 1, False, False),
-    (16, 513, 1, False, True), (16, 2048, 4, False, False), (16, 2049, 4, False, True),
+    (1, 16, 1, False, True), (7, 16, 1, False, True), (8, 128, 1, False, False),
+    (8, 129, 1, False, True), (16, 16, 1, False, False), (16, 256, 1, False, False),
+    (16, 257, 1, False, True), (16, 2048, 4, False, False), (16, 2049, 4, False, True),
+    (8, 512, 2, False, False), (8, 513, 2, False, True),
     (17, 16, 1, False, False), (16, 16, 1, True, True), (1, 32768, 4, True, True),
     (17, 64, 1, True, False)])
 def test_takes_decode(n_q, n_k, group, cache, decodes):
-    """The decode path takes up to MAX_NQ queries, but not 8 or more with at most 32 keys a
-    query row of a GQA group in q's dtype (the tiled kernel is faster there); a KVCache's
-    blocks or a float16/int8 cache (``cache``) it always takes up to MAX_NQ queries."""
+    """The decode path takes up to MAX_NQ queries, but not 8 or more in q's dtype with at most
+    16 keys a query (without GQA) or 32 keys a query row of a GQA group (the tiled kernel is
+    faster there); a KVCache's blocks or a float16/int8 cache (``cache``) it always takes up
+    to MAX_NQ queries."""
     assert decode.takes_decode(n_q, n_k, group, cache) is decodes
 
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_a_short_prompt_takes_the_tiled_path(causal, dtype, monkeypatch):
-    """A 16-token prompt (8 to MAX_NQ queries, at most 32 keys a query row) runs the tiled
+    """A 16-token prompt (8 to MAX_NQ queries on few keys, decode.takes_decode) runs the tiled
     kernel, plain call or not, with or without the lse: its rows are bit for bit the first 16
     of a 17-token prompt's (the decode path's are not), and match the reference."""
     from cpuflash import api

@@ -155,25 +155,29 @@ TASKS = 16  # keeps up to 16 threads busy where the keys allow it
 MAX_SPLITS = 64  # caps the partial results at 64 * (B, Hq, Nq, Dv), whatever Nk
 MAX_NQ = 16            # attention() takes this path for Nq up to this (but see below)
 SERIAL_COMBINE = 1 << 18  # partial-output elements up to which the merge runs on one thread
-# From TILED_FROM_NQ queries on, a call with at most TILED_KEYS_PER_ROW keys for each query row
-# of a GQA group (Nk <= 32 * Nq * Hq / Hkv), K and V in q's own dtype, takes the tiled forward
-# pass instead (``takes_decode``): there the work is the products, not the read of K and V, and
-# the tiled kernel's register-blocked products over a query block do it faster than this path's
-# rows of dot products, packing K and V included. Measured (stop 63, 2 threads, float32, D=64,
-# B=1, causal; one process, calls of the two paths in alternating order, medians; decode /
-# tiled time, at the Nk given; * marks the largest Nk the rule gives the tiled path):
-#   Hq=Hkv=12, Nq=16: 1.53 1.45 1.40 1.17 1.01* 0.87 at Nk = 16 64 128 256 512 1024;
-#                Nq=8: 1.05 1.12 1.28 1.01* 0.77 0.59;  Nq=6: 0.90 1.00 0.93 0.85 0.64 0.52;
+# From TILED_FROM_NQ queries on, a call with K and V in q's own dtype and at most
+# TILED_KEYS_PER_ROW keys for each query row of a GQA group (Nk <= 32 * Nq * Hq / Hkv), without
+# GQA TILED_KEYS_PER_QUERY_MHA keys a query (Nk <= 16 * Nq), takes the tiled forward pass instead
+# (``takes_decode``): there the work is the products, not the read of K and V, and the tiled
+# kernel's register-blocked products over a query block do it faster than this path's rows of
+# dot products, packing K and V included. Measured (stop 63, float32, D=64, B=1, causal; one
+# process, calls of the two paths in alternating order, medians; decode / tiled time, at the
+# Nk given; * marks the largest Nk the rule gives the tiled path). 2 threads:
+#   Hq=Hkv=12, Nq=16: 1.53 1.45 1.40 1.17* 1.01 0.87 at Nk = 16 64 128 256 512 1024;
+#                Nq=8: 1.05 1.12 1.28* 1.01 0.77 0.59;  Nq=6: 0.90 1.00 0.93 0.85 0.64 0.52;
 #   Hq=8, Hkv=2, Nq=16: 1.32 1.37 1.45 1.42 1.26 1.20 at Nk = 16 ... 1024, 1.31* at 2048, 1.18
 #                at 4096;  Nq=12: 1.19 1.26* 1.22 0.94 at 512 1024 2048 4096;  Nq=8: 0.97-1.10
 #                up to 1024* (1.31 at 512 in a second run);  Nq=4: 0.84-0.93;
 #   Hq=32, Hkv=4, Nq=16: 1.60 1.50 1.23* 1.23 at 512 1024 2048 4096;  Nq=8: 1.31 1.18 0.97*
 #                0.88;  Hq=16, Hkv=2, Nq=8: 1.25 1.19 1.28* 0.94.
-# (16 keys a row was the first rule: it left Hkv=2's 16-query chunks at 2048 keys, 1.31x, to
-# this path.)
+# One thread (NUMBA_NUM_THREADS=1): Hq=Hkv=12, Nq=16 1.36 at 128, 1.15* at 256, 0.79 at 512;
+# Nq=8 1.07* at 128, 0.68 at 256; Hq=8 Hkv=2, Nq=16 1.35 at 1024, 1.20* at 2048; Nq=12 1.20* at
+# 1536; Hq=32 Hkv=4, Nq=8 1.12* at 2048. (32 keys a query without GQA too, the rule's first
+# form, tied on 2 threads at 256-512 keys but lost 0.68-0.79x on one.)
 # A KVCache's blocks and float16/int8 caches stay on this path: it reads them in place.
 TILED_FROM_NQ = 8
 TILED_KEYS_PER_ROW = 32
+TILED_KEYS_PER_QUERY_MHA = 16
 
 
 def takes_decode(n_q, n_k, group, cache):
@@ -183,7 +187,8 @@ def takes_decode(n_q, n_k, group, cache):
     place: up to ``MAX_NQ`` queries it always takes those."""
     if n_q > MAX_NQ:
         return False
-    return cache or n_q < TILED_FROM_NQ or n_k > TILED_KEYS_PER_ROW * n_q * group
+    per_query = TILED_KEYS_PER_ROW * group if group > 1 else TILED_KEYS_PER_QUERY_MHA
+    return cache or n_q < TILED_FROM_NQ or n_k > per_query * n_q
 
 
 def chunk_keys(rows, itemsize):
