@@ -187,13 +187,15 @@ def test_values_read_in_place_equal_the_packed_copy(causal):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("n,d", [(1, 16), (130, 64), (256, 128), (77, 24), (37, 64), (100, 32)])
+@pytest.mark.parametrize("n,d", [(1, 16), (130, 64), (256, 128), (77, 24), (37, 64), (100, 32),
+                                 (5, 64), (47, 64)])
 def test_contiguous_packing_equals_the_strided_packing(dtype, n, d):
     """The packers' fast paths for C-contiguous K/V (register transposes of whole vectors of
     keys, vector copies, NaN/Inf zeroed for the backward pass) write the bits of the any-stride
-    loops, padding keys and all: whole panels (256), panels that end past Nk with whole vectors
-    of keys and a few more (37, 100, 130: the register transposes, then element by element,
-    then zero vectors), and shapes that have no whole vector (1, 77 with D=24)."""
+    loops, padding keys and all: whole panels (256), panels that end past Nk inside a vector of
+    keys (1, 5, 37, 47, 100, 130: whole vectors of keys in register transposes, the last few
+    in a transpose whose other rows are zero, then zero vectors), and shapes that have no whole
+    vector (77 with D=24)."""
     from cpuflash._cpu import pack
     block_k, lanes, width = config.block_k(d, n), config.lanes(np.dtype(dtype)), config.panel_width(
         np.dtype(dtype))

@@ -67,9 +67,10 @@ def keys_transposed_task(kf, src, row_stride, n_valid, d, block_k, w, ktf, tile)
     ``lanes x lanes`` blocks transposed in registers (measured at B=1, H=8, N=512, D=128: 0.47
     -> 0.09 ms; N=2048: 0.81 -> 0.45 ms). A panel that ends past ``Nk`` (the last tile of
     any N that is not a whole number of panels, the one tile of a short sequence) takes its
-    whole vectors of keys that way too, and only the last few keys element by element (stop
-    62: H=12, N=32 took 39 us to pack, twice N=64's 19, its 32 keys a head all element by
-    element)."""
+    whole vectors of keys that way too (stop 62: H=12, N=32 took 39 us to pack, twice N=64's
+    19, its 32 keys a head all element by element), and since stop 63 its last few keys
+    with the zeros after them in one block of ``simd.transpose_rows`` (they went element by
+    element: N=37 and 47 took 24-29 us, N=32 and 48 16-19)."""
     lanes = simd.lanes_of(ktf)
     zero = simd.vsplat(ktf, 0.0)
     for p0 in range(0, block_k, w):
@@ -77,25 +78,30 @@ def keys_transposed_task(kf, src, row_stride, n_valid, d, block_k, w, ktf, tile)
         inside = max(0, min(width, n_valid - p0))  # keys of this panel before Nk
         first = src + p0 * row_stride
         panel = tile + p0 * d
-        whole = 0  # keys of the panel in whole blocks, in registers
+        done = 0  # keys of the panel written in registers, zeros past Nk included
         if width % lanes == 0 and d % lanes == 0:
-            whole = inside - inside % lanes
-            for jj in range(0, whole, lanes):  # lanes x lanes blocks
+            for jj in range(0, inside, lanes):  # lanes x lanes blocks
+                keys = min(lanes, inside - jj)
                 for dd in range(0, d, lanes):
-                    simd.transpose_block(kf, first + jj * row_stride + dd, row_stride, ktf,
-                                         panel + dd * width + jj, width)
-        if whole == width:
+                    if keys == lanes:
+                        simd.transpose_block(kf, first + jj * row_stride + dd, row_stride, ktf,
+                                             panel + dd * width + jj, width)
+                    else:  # the last few keys, the rest of their vector zero
+                        simd.transpose_rows(kf, first + jj * row_stride + dd, row_stride, keys,
+                                            ktf, panel + dd * width + jj, width)
+            done = -(-inside // lanes) * lanes
+        if done == width:
             continue
         # The rest of the keys element by element; the zeros past Nk too up to a whole vector
         # of keys, then in vector stores.
         zeros_from = width
         if width % lanes == 0:
-            zeros_from = min(width, inside + (-inside) % lanes)
+            zeros_from = max(done, min(width, inside + (-inside) % lanes))
         for dd in range(d):
             row = panel + dd * width
-            for jj in range(whole, inside):
+            for jj in range(done, inside):
                 ktf[row + jj] = kf[first + jj * row_stride + dd]
-            for jj in range(inside, zeros_from):
+            for jj in range(max(done, inside), zeros_from):
                 ktf[row + jj] = 0.0
             for jj in range(zeros_from, width, lanes):
                 simd.vstore(ktf, row + jj, zero)
