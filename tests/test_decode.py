@@ -156,16 +156,24 @@ def test_decode_bitwise_identical_across_threads():
 @pytest.mark.parametrize("scale", [None, 0.3])
 def test_plain_decode_call_skips_the_general_checks(dtype, cache, causal, scale, monkeypatch):
     """A decode call with no option but causal and scale goes straight to the decode path
-    (api._plain_decode) and gives the general path's bits (asking for the lse takes that one)
+    (api._plain_decode) and gives the general path's bits (``api._attention``; since stop 63 a
+    plain call that asks for the lse takes ``api._plain_forward``, no longer the general path)
     and the reference's values."""
     from cpuflash import api
     q = rand((2, 4, 3, 32), seed=4).astype(dtype)
     k, v = (rand((2, 2, 300, 32), seed=s).astype(cache) for s in (5, 6))
-    general, _ = cpuflash.attention(q, k, v, causal=causal, scale=scale, return_lse=True)
+    general, general_lse = api._attention(q, k, v, None, causal=causal, scale=scale,
+                                          return_lse=True)
 
     def no_general_path(*args, **kwargs):
         raise AssertionError("the plain decode call took the general path")
 
+    if cache == dtype:  # with the lse: api._plain_forward, then the decode path (same bits)
+        monkeypatch.setattr(api, "_prepare", no_general_path)
+        plain_out, plain_lse = cpuflash.attention(q, k, v, causal=causal, scale=scale,
+                                                  return_lse=True)
+        np.testing.assert_array_equal(plain_out, general)
+        np.testing.assert_array_equal(plain_lse, general_lse)
     monkeypatch.setattr(api, "run_forward", no_general_path)
     plain = cpuflash.attention(q, k, v, causal=causal, scale=scale)
     assert plain.dtype == dtype and plain.shape == (2, 4, 3, 32)
