@@ -92,11 +92,9 @@ def keys_transposed_task(kf, src, row_stride, n_valid, d, block_k, w, ktf, tile)
             done = -(-inside // lanes) * lanes
         if done == width:
             continue
-        # The rest of the keys element by element; the zeros past Nk too up to a whole vector
-        # of keys, then in vector stores.
-        zeros_from = width
-        if width % lanes == 0:
-            zeros_from = max(done, min(width, inside + (-inside) % lanes))
+        # The keys not transposed (D not of whole vectors) element by element, and the zeros
+        # past Nk up to a whole vector of keys; then zero vectors where the panel has them.
+        zeros_from = -(-inside // lanes) * lanes if width % lanes == 0 else width
         for dd in range(d):
             row = panel + dd * width
             for jj in range(done, inside):
