@@ -8,8 +8,7 @@ from . import _checks, config, masks
 from . import sinks as _sinks
 from ._cpu import bfloat16
 from ._cpu.backward import run_backward
-from ._cpu.decode import (ARG, MAX_NQ, StepPlan, arrays_of_blocks, decode, decode_args,
-                          takes_decode)
+from ._cpu.decode import ARG, StepPlan, arrays_of_blocks, decode, decode_args, takes_decode
 from ._cpu.forward import run_forward
 
 __all__ = ["attention", "attention_backward", "attention_vjp", "merge", "set_num_threads",
