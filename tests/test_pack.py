@@ -99,10 +99,11 @@ def test_values_on_and_off_a_cache_line_share_one_packing_compilation(monkeypatc
     """Whether V is read in place depends on where numpy put it; either way the forward packs
     K (and V) with one specialization of ``pack_tiles`` (an empty ``vn`` where V is read in
     place), so a first call never compiles another for where its V happens to lie. Packed K
-    and in-place V give the same bits as K and V both packed."""
+    and in-place V give the same bits as K and V both packed. (100 queries: two query blocks,
+    so the forward packs in ``pack_tiles``, not in its own tasks.)"""
     d, block_k = config.panel_width(np.dtype(np.float32)), 64
     rng = np.random.default_rng(1)
-    q = rng.standard_normal((1, 2, 40, d)).astype(np.float32)
+    q = rng.standard_normal((1, 2, 100, d)).astype(np.float32)
     k = rng.standard_normal((1, 2, 2 * block_k, d)).astype(np.float32)
     calls = []
 
@@ -122,3 +123,52 @@ def test_values_on_and_off_a_cache_line_share_one_packing_compilation(monkeypatc
     assert len(calls) == 6 and calls[0] == calls[1] == calls[3] == calls[4]
     assert np.array_equal(outs[0], outs[1])
     np.testing.assert_allclose(outs[0], reference.attention(q, k, v), atol=2e-6)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("n_q, n_k, d, dv", [(16, 16, 64, 64), (9, 61, 37, 48), (64, 64, 64, 32),
+                                             (8, 3, 8, 20)])
+def test_tasks_that_pack_their_own_tiles_give_the_packed_bits(n_q, n_k, d, dv, causal, dtype,
+                                                              kernels, monkeypatch):
+    """A call whose heads are one query block on one key tile each, without GQA, packs its
+    K/V tiles in the forward's own tasks (``forward.packs_own_tiles``), with no call of
+    ``pack_tiles``; its output and lse are those of the same call packed in ``pack_tiles``,
+    bit for bit, and match the reference. B=2: each task finds its own batch's rows. (At
+    least 8 queries: fewer take the decode path. Dv=20 is not whole vectors: packed.)"""
+    from cpuflash._cpu import forward
+    lanes = config.lanes(np.dtype(dtype))
+    q, k, v = rands((2, 3, n_q, d), (2, 3, n_k, d), (2, 3, n_k, dv), seed=n_q + n_k, dtype=dtype)
+    assert forward.packs_own_tiles(q, k, v, config.block_k(d, n_k),
+                                   config.block_q(n_q, d, 6, 2)) == (dv % lanes == 0)
+    packed = []
+    monkeypatch.setattr(forward, "packed_kv", lambda *a: packed.append(1) or pack.packed_kv(*a))
+    own = cpuflash.attention(q, k, v, causal=causal, return_lse=True)
+    assert len(packed) == (dv % lanes != 0)
+    monkeypatch.setattr(forward, "packs_own_tiles", lambda *a: False)
+    shared = cpuflash.attention(q, k, v, causal=causal, return_lse=True)
+    assert len(packed) == 1 + (dv % lanes != 0)
+    for a, b in zip(own, shared):
+        assert np.array_equal(a, b, equal_nan=True)
+    ref_out, ref_lse = reference.attention(q, k, v, causal=causal, return_lse=True)
+    tol = 2e-6 if dtype == np.float32 else 1e-12
+    np.testing.assert_allclose(own[0], ref_out, atol=tol)
+    np.testing.assert_allclose(own[1], ref_lse, atol=tol * 10)
+
+
+def test_gqa_strided_and_multi_block_calls_pack_in_one_region():
+    """What ``packs_own_tiles`` leaves to ``pack_tiles``: a GQA group (its heads would each
+    pack the one K/V head), K or V not C-contiguous, and more than one query block or key
+    tile a head."""
+    from cpuflash._cpu import forward
+    q, k, v = rands((1, 4, 16, 64), (1, 4, 16, 64), (1, 4, 16, 64), seed=3)
+    bk, bq = config.block_k(64, 16), config.block_q(16, 64, 4, 2)
+    assert forward.packs_own_tiles(q, k, v, bk, bq)
+    assert not forward.packs_own_tiles(q, k[:, :2], v[:, :2], bk, bq)
+    assert not forward.packs_own_tiles(q, k.transpose(0, 1, 3, 2).copy().transpose(0, 1, 3, 2),
+                                       v, bk, bq)
+    assert not forward.packs_own_tiles(q, k, v[..., ::-1], bk, bq)
+    long_q = rands((1, 4, 100, 64), seed=4)[0]
+    assert not forward.packs_own_tiles(long_q, k, v, bk, config.block_q(100, 64, 4, 2))
+    long_k = rands((1, 4, 300, 64), seed=5)[0]
+    assert not forward.packs_own_tiles(q, long_k, long_k, config.block_k(64, 300), bq)

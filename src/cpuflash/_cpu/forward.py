@@ -30,6 +30,8 @@ skipped, never computed); ``tile_needs_mask`` tells whether a visible tile cross
 and only then ``mask_tile`` sets scores to ``-inf`` element by element. Later masks (window,
 kv_lens, bool/float masks, ALiBi, softcap, dropout) slot into these three functions.
 """
+import functools
+
 import numpy as np
 from numba import prange
 
@@ -41,7 +43,8 @@ from .sequences import (BLOCK_Q, N_Q, N_QB, Q_BATCH, Q_ROW0, TASK0, TILE0, TILES
 from .tasks import new_claims, next_task, num_threads, run_shared
 from .decode import NO_SINKS, arrays_of_blocks, run_decode, sink_of, takes_decode
 from ..masks import UserMask
-from .pack import empty, output, packed_kv, packed_varlen, scratch
+from .pack import (empty, keys_transposed_task, output, packed_kv, packed_varlen, scratch,
+                   values_task)
 from .masking import (HIDDEN, MIXED, apply_user_mask, band_runs, mask_tile,
                       tile_key_range, tile_needs_mask)
 from .dropout import dropout_row
@@ -113,8 +116,8 @@ def finish_row(m, l, sink):
 
 
 @kernel(strided=("q", "mask_bools", "mask_adds", "tile_state", "sinks"),
-        read_only=("seqs", "kv_lens", "slopes", "seeds"))
-def forward(q, kt, vt, n_hkv, block_q, scale, left, right, seqs, kv_lens, softcap, slopes,
+        read_only=("k_own", "v_own", "seqs", "kv_lens", "slopes", "seeds"))
+def forward(q, kt, vt, k_own, v_own, n_hkv, block_q, scale, left, right, seqs, kv_lens, softcap, slopes,
             mask_bools, mask_adds, mask_is_bool, tile_state, drop_below, inv_keep, seeds, sinks,
             out_flat, out_layout, lse, n_threads):
     """Attention forward on packed K/V, for the sequences of the table ``seqs``
@@ -123,6 +126,10 @@ def forward(q, kt, vt, n_hkv, block_q, scale, left, right, seqs, kv_lens, softca
 
     q: (Bq, Hq, rows, D) any strides, float32/float64. kt, vt: (tiles, D * block_k) and
     (tiles, block_k * Dv_pad), laid out as ``pack.packed_kv`` makes them; n_hkv: key heads.
+    k_own, v_own: empty, or K and V themselves, C-contiguous (B, Hkv, Nk, D/Dv), for a dense
+    call whose tasks are one a head and read one key tile each (``packs_own_tiles``): each
+    task then packs its head's tile into its worker's scratch, with the code ``pack_tiles``
+    runs (the same bytes), and ``kt``, ``vt`` are empty, their widths alone given.
     block_q: the largest query block in ``seqs``. scale: the scores' scale.
     left, right, kv_lens: the band of keys each row sees (masking.py); kv_lens: (S,) int64.
     softcap, slopes (S, Hq): the score modifiers, 0 for off (scores.py).
@@ -156,8 +163,12 @@ def forward(q, kt, vt, n_hkv, block_q, scale, left, right, seqs, kv_lens, softca
     n_tasks = seqs[-1, TASK0] + n_hq * seqs[-1, N_QB] if seqs.shape[0] else 0
     n_workers = min(n_threads, n_tasks)
     claims = new_claims(n_workers)
+    own_tiles = k_own.size > 0
+    panel = config.MICRO_VECS * lanes
     for worker in prange(n_workers):  # one a thread: they share the tasks out (tasks.py)
         # A worker's scratch, for each of its tasks in turn
+        k_tiles = scratch(tile_k, out_flat) if own_tiles else kt_flat  # its task's K tile
+        v_tiles = scratch(tile_v, out_flat) if own_tiles else vt_flat
         q_s = scratch(block_q * d, out_flat)   # Q block, scaled
         s = scratch(block_q * ld_s, out_flat)  # scores, then probabilities
         acc = scratch(block_q * dv_pad, out_flat)
@@ -178,6 +189,14 @@ def forward(q, kt, vt, n_hkv, block_q, scale, left, right, seqs, kv_lens, softca
             qb = balanced_order(qb, n_qb)
             q_b, row0 = seqs[b, Q_BATCH], seqs[b, Q_ROW0]
             tile0 = seqs[b, TILE0] + (h // group) * seqs[b, TILES]
+            if own_tiles:  # the head's one key tile, packed as pack_tiles would
+                tile0 = 0
+                n_own = k_own.shape[2]
+                src = (q_b * n_hkv + h // group) * n_own
+                keys_transposed_task(k_own.reshape(-1), src * d, d, n_own, d, block_k, panel,
+                                     k_tiles, 0)
+                values_task(v_own.reshape(-1), src * dv, dv, n_own, dv, dv_pad, block_k, panel,
+                            False, v_tiles, 0)
             n_k = kv_lens[b]
             q0 = qb * bq
             rows = min(bq, n_q - q0)
@@ -202,7 +221,7 @@ def forward(q, kt, vt, n_hkv, block_q, scale, left, right, seqs, kv_lens, softca
                 # run of row blocks may see (band_scores; the same runs for P V below)
                 n_runs = band_runs(runs, rows_up, masked, rows, q0, k0, n_q, n_k, left, right,
                                    block_k, lanes)
-                band_scores(s, ld_s, q_s, d, kt_flat, k_off, runs, n_runs, row_vmax, tile_max,
+                band_scores(s, ld_s, q_s, d, k_tiles, k_off, runs, n_runs, row_vmax, tile_max,
                             PORTABLE)
                 # The row maxima came with the product (a pass over S saved); the modifiers and
                 # masks below say whether they still hold.
@@ -254,7 +273,7 @@ def forward(q, kt, vt, n_hkv, block_q, scale, left, right, seqs, kv_lens, softca
                 n_valid = min(block_k, n_k - k0)
                 for i in range(n_runs):
                     r0, r1, need = runs[i, 0], runs[i, 1], runs[i, 2]
-                    tile_product_rescale(acc, r0 * dv_pad, dv_pad, s, r0 * ld_s, ld_s, 1, vt_flat,
+                    tile_product_rescale(acc, r0 * dv_pad, dv_pad, s, r0 * ld_s, ld_s, 1, v_tiles,
                                          v_off, 0, block_k, r1 - r0, dv_pad, min(n_valid, need),
                                          alpha_i, r0, alpha_i, 0, pv, PORTABLE)
             sink = sink_of(sinks, b, h)  # the head's sink logit; -inf: none
@@ -272,6 +291,27 @@ def forward(q, kt, vt, n_hkv, block_q, scale, left, right, seqs, kv_lens, softca
 
 
 forward_portable = portable_twin(forward)
+
+
+@functools.lru_cache(maxsize=16)
+def no_tiles(dtype, width):
+    """An empty (0, 1, ``width``) array of ``dtype``: the packed tiles of a call that packs its
+    own (``packs_own_tiles``), which give the kernel only their width; ``[None]`` of one, an
+    empty 4-D array, is its ``k_own``/``v_own`` where it does not. Made once, never written."""
+    return np.empty((0, 1, width), dtype)
+
+
+def packs_own_tiles(q, k, v, block_k, block_q):
+    """Whether the forward kernel's tasks pack their own K/V tiles (``forward``'s ``k_own``):
+    where each task is a whole head, one query block on one key tile, with K and V of its own
+    (no GQA), so a tile is packed once either way, and the packing's own parallel region and
+    call (about 6 us, which a short prompt's call pays on top of its 30-40 us) are saved. K
+    and V C-contiguous, V's rows whole vectors: the layout ``packed_kv`` packs in one region
+    with the same code, the same bytes."""
+    n_q, n_k, dv = q.shape[2], k.shape[2], v.shape[3]
+    return (n_k <= block_k and n_q <= block_q and q.shape[1] == k.shape[1]
+            and k.flags.c_contiguous and v.flags.c_contiguous
+            and dv % config.lanes(q.dtype) == 0)
 
 
 def run_forward(q, k, v, scale, band, mods, user_mask, drop, portable, out=None,
@@ -319,12 +359,18 @@ def run_forward(q, k, v, scale, band, mods, user_mask, drop, portable, out=None,
     if v.dtype != q.dtype:
         v = v.astype(q.dtype)
     block_k = config.block_k(d, n_k)
-    kt, vt = packed_kv(k, v, block_k, config.lanes(q.dtype), config.panel_width(q.dtype))
     block_q = config.block_q(n_q, d, n_b * n_hq, num_threads())
+    if packs_own_tiles(q, k, v, block_k, block_q):
+        kt, vt = no_tiles(q.dtype, d * block_k), no_tiles(q.dtype, block_k * dv)
+        k_own, v_own = k, v
+    else:
+        kt, vt = packed_kv(k, v, block_k, config.lanes(q.dtype), config.panel_width(q.dtype))
+        k_own = v_own = no_tiles(q.dtype, 1)[None]
     seqs, _ = sequences.dense(int(n_b), int(n_hq), int(n_q), int(block_q), int(k.shape[1]),
                               int(kt.shape[1]))
     run_shared(forward_portable if portable else forward, q, kt.reshape(-1, kt.shape[2]),
-                vt.reshape(-1, vt.shape[2]), k.shape[1], block_q, scale, left, right,
+                vt.reshape(-1, vt.shape[2]), k_own, v_own, k.shape[1], block_q, scale, left,
+                right,
                 seqs, kv_lens, mods[0], mods[1], *user_mask.kernel_args(),
                 user_mask.tile_states(block_q, block_k), drop[0], drop[2],
                 np.full(n_b, drop[1]) if drop[0] else NO_SEEDS,
@@ -359,8 +405,9 @@ def run_varlen(q, k, v, cu_q, cu_k, scale, band, mods, drop, portable, sinks=Non
                            config.panel_width(q.dtype), n_tiles)
     no_mask = UserMask(None, n_seq, n_hq, block_q * int(seqs[:, N_QB].max()),
                        block_k * max(1, int(seqs[:, TILES].max())), q.dtype)
+    no_own = no_tiles(q.dtype, 1)[None]
     run_shared(forward_portable if portable else forward, q.transpose(1, 0, 2)[None], kt, vt,
-                n_hkv, block_q, scale, band[0], band[1], seqs, k_lens.astype(np.int64),
+                no_own, no_own, n_hkv, block_q, scale, band[0], band[1], seqs, k_lens.astype(np.int64),
                 mods[0], mods[1], *no_mask.kernel_args(),
                 no_mask.tile_states(block_q, block_k), drop[0], drop[2], drop[1],
                 NO_SINKS if sinks is None else sinks, out.reshape(-1), (0, dv, n_hq * dv, dv), lse)
