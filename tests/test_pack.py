@@ -156,19 +156,33 @@ def test_tasks_that_pack_their_own_tiles_give_the_packed_bits(n_q, n_k, d, dv, c
     np.testing.assert_allclose(own[1], ref_lse, atol=tol * 10)
 
 
-def test_gqa_strided_and_multi_block_calls_pack_in_one_region():
-    """What ``packs_own_tiles`` leaves to ``pack_tiles``: a GQA group (its heads would each
-    pack the one K/V head), K or V not C-contiguous, and more than one query block or key
-    tile a head."""
+def test_what_packs_in_one_region():
+    """What ``packs_own_tiles`` leaves to ``pack_tiles``: GQA groups whose heads would repack
+    more than ``OWN_TILES_MAX_REPACKS`` tiles, K or V not C-contiguous, and more than one
+    query block or key tile a head. A small group packs its own: its bits are the packed
+    ones."""
     from cpuflash._cpu import forward
-    q, k, v = rands((1, 4, 16, 64), (1, 4, 16, 64), (1, 4, 16, 64), seed=3)
-    bk, bq = config.block_k(64, 16), config.block_q(16, 64, 4, 2)
+    q, k, v = rands((2, 4, 16, 64), (2, 4, 16, 64), (2, 4, 16, 64), seed=3)
+    bk, bq = config.block_k(64, 16), config.block_q(16, 64, 8, 2)
     assert forward.packs_own_tiles(q, k, v, bk, bq)
-    assert not forward.packs_own_tiles(q, k[:, :2], v[:, :2], bk, bq)
+    pair, one = (k[:, :2].copy(), v[:, :2].copy()), (k[:, :1].copy(), v[:, :1].copy())
+    assert forward.packs_own_tiles(q, *pair, bk, bq)  # 2 * (4 - 2) repacks
+    many = rands((2, 8, 16, 64), seed=6)[0]
+    assert forward.OWN_TILES_MAX_REPACKS < 2 * (8 - 1)
+    assert not forward.packs_own_tiles(many, *one, bk, bq)
     assert not forward.packs_own_tiles(q, k.transpose(0, 1, 3, 2).copy().transpose(0, 1, 3, 2),
                                        v, bk, bq)
     assert not forward.packs_own_tiles(q, k, v[..., ::-1], bk, bq)
-    long_q = rands((1, 4, 100, 64), seed=4)[0]
-    assert not forward.packs_own_tiles(long_q, k, v, bk, config.block_q(100, 64, 4, 2))
-    long_k = rands((1, 4, 300, 64), seed=5)[0]
+    long_q = rands((2, 4, 100, 64), seed=4)[0]
+    assert not forward.packs_own_tiles(long_q, k, v, bk, config.block_q(100, 64, 8, 2))
+    long_k = rands((2, 4, 300, 64), seed=5)[0]
     assert not forward.packs_own_tiles(q, long_k, long_k, config.block_k(64, 300), bq)
+    for group_k, group_v in (pair, one):
+        own = cpuflash.attention(q, group_k, group_v, causal=True, return_lse=True)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(forward, "packs_own_tiles", lambda *a: False)
+            shared = cpuflash.attention(q, group_k, group_v, causal=True, return_lse=True)
+        for a, b in zip(own, shared):
+            assert np.array_equal(a, b)
+        np.testing.assert_allclose(own[0], reference.attention(q, group_k, group_v, causal=True),
+                                   atol=2e-6)

@@ -127,9 +127,9 @@ def forward(q, kt, vt, k_own, v_own, n_hkv, block_q, scale, left, right, seqs, k
     q: (Bq, Hq, rows, D) any strides, float32/float64. kt, vt: (tiles, D * block_k) and
     (tiles, block_k * Dv_pad), laid out as ``pack.packed_kv`` makes them; n_hkv: key heads.
     k_own, v_own: empty, or K and V themselves, C-contiguous (B, Hkv, Nk, D/Dv), for a dense
-    call whose tasks are one a head and read one key tile each (``packs_own_tiles``): each
-    task then packs its head's tile into its worker's scratch, with the code ``pack_tiles``
-    runs (the same bytes), and ``kt``, ``vt`` are empty, their widths alone given.
+    call whose tasks read one key tile each (``packs_own_tiles``): each task then packs its
+    head's tile into its worker's scratch, with the code ``pack_tiles`` runs (the same bytes),
+    and ``kt``, ``vt`` are empty, their widths alone given.
     block_q: the largest query block in ``seqs``. scale: the scores' scale.
     left, right, kv_lens: the band of keys each row sees (masking.py); kv_lens: (S,) int64.
     softcap, slopes (S, Hq): the score modifiers, 0 for off (scores.py).
@@ -301,15 +301,25 @@ def no_tiles(dtype, width):
     return np.empty((0, 1, width), dtype)
 
 
+# Tiles packed more than once a call when the tasks pack their own (``packs_own_tiles``): each
+# query head of a GQA group packs its K/V head's tile, B * (Hq - Hkv) extra tiles of up to
+# 2 x 64 x 64 floats (64-key tiles at D=Dv=64). Measured against packing in one region
+# (B=1, D=64, causal, 2 threads, one process, 8 rounds, medians): Hq=8 Hkv=2 (6 extra) at
+# N=16, 64, 128: 0.833, 0.925, 0.987; Hq=14 Hkv=2 (12) N=64: 0.926; Hq=16 Hkv=2 (14) N=64:
+# 0.985; Hq=32 Hkv=8 (24) N=16 and 64: 1.091 and 1.028; Hq=32 Hkv=4 (28) N=128: 1.060.
+OWN_TILES_MAX_REPACKS = 12
+
+
 def packs_own_tiles(q, k, v, block_k, block_q):
     """Whether the forward kernel's tasks pack their own K/V tiles (``forward``'s ``k_own``):
-    where each task is a whole head, one query block on one key tile, with K and V of its own
-    (no GQA), so a tile is packed once either way, and the packing's own parallel region and
-    call (about 6 us, which a short prompt's call pays on top of its 30-40 us) are saved. K
-    and V C-contiguous, V's rows whole vectors: the layout ``packed_kv`` packs in one region
-    with the same code, the same bytes."""
-    n_q, n_k, dv = q.shape[2], k.shape[2], v.shape[3]
-    return (n_k <= block_k and n_q <= block_q and q.shape[1] == k.shape[1]
+    where each task is one query block on one key tile, and a GQA group's heads repack their
+    K/V head's tile at most ``OWN_TILES_MAX_REPACKS`` times a call. That saves the packing's
+    own parallel region and kernel call, about 6 us, which a short prompt's call paid on top
+    of its 30-40 us. K and V C-contiguous, V's rows whole vectors: the layout ``packed_kv``
+    packs in one region with the same code, so the same bytes."""
+    n_b, n_hq, n_q, _ = q.shape
+    n_hkv, n_k, dv = k.shape[1], k.shape[2], v.shape[3]
+    return (n_k <= block_k and n_q <= block_q and n_b * (n_hq - n_hkv) <= OWN_TILES_MAX_REPACKS
             and k.flags.c_contiguous and v.flags.c_contiguous
             and dv % config.lanes(q.dtype) == 0)
 
