@@ -8,10 +8,10 @@ Cases: ``KVCache.attention`` decode steps (Nq=1, D=64; Hq=8 Hkv=2 at Nk=64 and 3
 small's Hq=Hkv=12 at Nk=1024) and forward calls (D=64; H=8 N=2048, causal N=2048, N=512; a
 GPT-2-small layer's causal prompts, H=12 N=64 and 256, and of lengths that are not a whole
 number of 64-key panels, N=37 and 200, and N=100 without a mask), few queries on few keys
-(``CHUNKS``: a 16-token prompt, chunks of 4-16 queries on 256-2048 keys) and a MiniLM batch of 32
-sentences through ``attention_varlen``; backward passes (``attention_backward``, D=64,
-H=12 N=65 and causal N=200, H=8 N=2048; without sinks). ``--forward-only``: the forward
-calls alone.
+(``CHUNKS``: a 16-token prompt, chunks of 4-16 queries on 128-4096 keys, a GQA 64-token
+prompt) and a MiniLM batch of 32 sentences through ``attention_varlen``; backward passes
+(``attention_backward``, D=64, H=12 N=65 and causal N=200, H=8 N=2048; without sinks).
+``--forward-only``: the forward calls alone.
 A/A spread: two identical caches differ by up to 1.5 % (stop 57). Not collected by pytest.
 
     python bench/cpu_ab.py --base REV [--rounds 300] [--forward-only]
@@ -34,10 +34,12 @@ FORWARDS = ((8, 2048, False), (8, 2048, True), (8, 512, False), (12, 64, True),
 BACKWARDS = ((12, 65, False), (12, 65, True), (12, 200, True), (8, 2048, False))
 # Few queries on few keys: a 16-token prompt, chunks of a chunked prefill (Hq, Hkv, Nq, Nk,
 # causal); since stop 63 those of 8 to 16 queries on few keys take the tiled path
-# (``decode.takes_decode``: the first five here), the others stay on the decode path.
+# (``decode.takes_decode``: the first five here), the others stay on the decode path. The
+# last: a GQA model's 64-token prompt, one key tile a head (its tasks pack their own tiles
+# since stop 64, ``forward.packs_own_tiles``).
 CHUNKS = ((12, 12, 16, 16, True), (8, 2, 16, 256, True), (12, 12, 8, 128, True),
           (8, 2, 16, 1024, True), (8, 2, 16, 2048, True), (12, 12, 8, 512, True),
-          (12, 12, 4, 512, True), (8, 2, 16, 4096, True))
+          (12, 12, 4, 512, True), (8, 2, 16, 4096, True), (8, 2, 64, 64, True))
 SHORT = 512  # forward calls up to this N run ``--rounds`` times, longer ones a quarter of it
 
 
