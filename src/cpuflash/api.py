@@ -68,9 +68,11 @@ def attention(q, k, v, *, causal=False, scale=None, mask=None, window=None, kv_l
             and alibi_slopes is None and softcap is None and k_scale is None
             and v_scale is None and device is None and type(dropout_p) in (float, int)
             and dropout_p == 0 and (return_lse is False or return_lse is True)):
-        result = _plain_decode(q, k, v, causal, scale) if return_lse is False else None
+        shapes = _plain_shapes(q, k, v, causal, scale)  # once for both plain paths
+        result = (_plain_decode(q, k, v, causal, scale, shapes=shapes)
+                  if return_lse is False else None)
         if result is None:
-            result = _plain_forward(q, k, v, causal, scale, return_lse)
+            result = _plain_forward(q, k, v, causal, scale, return_lse, shapes)
         if result is not None:
             return result
     return _attention(q, k, v, None, causal=causal, scale=scale, mask=mask, window=window,
@@ -172,7 +174,7 @@ def _attention(q, k, v, kv_blocks, *, causal=False, scale=None, mask=None, windo
     return result
 
 
-def _plain_decode(q, k, v, causal, scale, kv_blocks=None, kv_scales=None):
+def _plain_decode(q, k, v, causal, scale, kv_blocks=None, kv_scales=None, shapes=False):
     """A decode step with no option but ``causal`` and ``scale`` (and an int8 cache's scales),
     straight to the decode path, or None for anything else (the general path then checks it,
     and raises what it must).
@@ -189,15 +191,16 @@ def _plain_decode(q, k, v, causal, scale, kv_blocks=None, kv_scales=None):
     keys a query row of a GQA group, ``TILED_KEYS_PER_QUERY_MHA`` a query without GQA),
     ``causal`` a bool, ``scale`` None or a float. It runs the same kernel on the same arguments
     as the general path (the same bits). ``kv_blocks``: as ``attention_on_blocks``. (int8
-    steps took the general path until stop 40: 95 us a call against float16's 40, Nk=64.)"""
-    args = _plain_decode_args(q, k, v, causal, scale, kv_blocks, kv_scales)
+    steps took the general path until stop 40: 95 us a call against float16's 40, Nk=64.)
+    ``shapes``: ``_plain_shapes``' answer for this call where the caller has it already."""
+    args = _plain_decode_args(q, k, v, causal, scale, kv_blocks, kv_scales, shapes)
     if args is None:
         return None
     decode(*args)
     return args[ARG["out"]]
 
 
-def _plain_forward(q, k, v, causal, scale, return_lse):
+def _plain_forward(q, k, v, causal, scale, return_lse, shapes=False):
     """A forward call with no option but ``causal``, ``scale`` and ``return_lse`` (a bool),
     straight to ``run_forward`` with the arguments the general path would build (the same
     kernel on the same arguments: the same bits), or None for anything else (the general path
@@ -208,25 +211,33 @@ def _plain_forward(q, k, v, causal, scale, return_lse):
 
     The general path's checks and objects cost a call about 18 us more (B=1, H=1, N=64, D=64:
     83 against 65 us, side by side), what a small model's short sequences pay on every layer
-    (1.06-1.12x at 12-16 heads of 64-128 tokens)."""
-    shapes = _plain_shapes(q, k, v, causal, scale)
+    (1.06-1.12x at 12-16 heads of 64-128 tokens). ``shapes``: as ``_plain_decode``'s."""
+    if shapes is False:
+        shapes = _plain_shapes(q, k, v, causal, scale)
     if shapes is None:
         return None
     n_b, n_hq, n_q, n_k, d, q_type, k_type = shapes
     if k_type is not q_type:
         return None
     out, lse = run_forward(q, k, v, _checks.scale(scale, d),
-                           masks.band(causal, None, None, n_b, n_k),
-                           masks.modifiers(None, None, n_b, n_hq),
-                           masks.UserMask(None, n_b, n_hq, n_q, n_k, q.dtype),
-                           masks.NO_DROPOUT, config.PORTABLE)
+                           *_no_options(causal, n_b, n_hq, n_q, n_k, q.dtype), config.PORTABLE)
     return (out, lse) if return_lse else out
 
 
-def _plain_decode_args(q, k, v, causal, scale, kv_blocks, kv_scales):
+@functools.lru_cache(maxsize=64)
+def _no_options(causal, n_b, n_hq, n_q, n_k, dtype):
+    """``run_forward``'s ``band, mods, user_mask, drop`` for a call with no option but
+    ``causal``, as the general path builds them; kept per shape (read-only arrays and
+    stand-ins: about 1 us of a 16-token prompt's 38 us call)."""
+    return (masks.band(causal, None, None, n_b, n_k), masks.modifiers(None, None, n_b, n_hq),
+            masks.UserMask(None, n_b, n_hq, n_q, n_k, dtype), masks.NO_DROPOUT)
+
+
+def _plain_decode_args(q, k, v, causal, scale, kv_blocks, kv_scales, shapes=False):
     """``_plain_decode``'s kernel arguments (``decode.decode_args``), or None where it does not
-    take the call."""
-    shapes = _plain_shapes(q, k, v, causal, scale)
+    take the call. ``shapes``: as ``_plain_decode``'s."""
+    if shapes is False:
+        shapes = _plain_shapes(q, k, v, causal, scale)
     if shapes is None or config.PORTABLE:
         return None
     n_b, n_hq, n_q, n_k, d, q_type, k_type = shapes
