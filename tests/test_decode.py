@@ -183,17 +183,19 @@ def test_plain_decode_call_skips_the_general_checks(dtype, cache, causal, scale,
 
 
 @pytest.mark.parametrize("n_q, n_k, group, cache, decodes", [
-    (1, 16, 1, False, True), (7, 16, 1, False, True), (8, 128, 1, False, False),
+    (1, 16, 1, False, True), (3, 16, 1, False, True), (4, 64, 1, False, False),
+    (4, 65, 1, False, True), (7, 112, 1, False, False), (7, 113, 1, False, True),
+    (7, 16, 2, False, True), (8, 128, 1, False, False),
     (8, 129, 1, False, True), (16, 16, 1, False, False), (16, 256, 1, False, False),
     (16, 257, 1, False, True), (16, 2048, 4, False, False), (16, 2049, 4, False, True),
     (8, 512, 2, False, False), (8, 513, 2, False, True),
     (17, 16, 1, False, False), (16, 16, 1, True, True), (1, 32768, 4, True, True),
     (17, 64, 1, True, False)])
 def test_takes_decode(n_q, n_k, group, cache, decodes):
-    """The decode path takes up to MAX_NQ queries, but not 8 or more in q's dtype with at most
-    16 keys a query (without GQA) or 32 keys a query row of a GQA group (the tiled kernel is
-    faster there); a KVCache's blocks or a float16/int8 cache (``cache``) it always takes up
-    to MAX_NQ queries."""
+    """The decode path takes up to MAX_NQ queries, but not 4 or more in q's dtype with at most
+    16 keys a query without GQA, nor 8 or more with at most 32 keys a query row of a GQA group
+    (the tiled kernel is faster there); a KVCache's blocks or a float16/int8 cache (``cache``)
+    it always takes up to MAX_NQ queries."""
     assert decode.takes_decode(n_q, n_k, group, cache) is decodes
 
 

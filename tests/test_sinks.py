@@ -123,7 +123,7 @@ def test_a_sink_is_a_merged_part_with_output_zero():
     np.testing.assert_allclose(lse_s, merged_lse, rtol=1e-13)
 
 
-@pytest.mark.parametrize("n_q", [7, 12])  # the decode path; the tiled kernel (takes_decode)
+@pytest.mark.parametrize("n_q", [3, 12])  # the decode path; the tiled kernel (takes_decode)
 def test_rows_that_see_no_key_give_the_sink_alone(n_q):
     q, k, v, dout = rands((2, 2, n_q, 8), (2, 2, 20, 8), (2, 2, 20, 8), (2, 2, n_q, 8))
     sinks = np.array([1.5, -np.inf], np.float32)

@@ -188,7 +188,8 @@ def _plain_decode(q, k, v, causal, scale, kv_blocks=None, kv_scales=None, shapes
     v_scale)``, float32 numpy arrays of shape (B, Hkv, Nk)), matching shapes with ``Hq % Hkv ==
     0``, the queries and keys ``decode.takes_decode`` gives this path (1 to ``MAX_NQ``
     queries, not ``TILED_FROM_NQ`` or more in q's dtype with at most ``TILED_KEYS_PER_ROW``
-    keys a query row of a GQA group, ``TILED_KEYS_PER_QUERY_MHA`` a query without GQA),
+    keys a query row of a GQA group, nor ``TILED_FROM_NQ_MHA`` or more with at most
+    ``TILED_KEYS_PER_QUERY_MHA`` keys a query without GQA),
     ``causal`` a bool, ``scale`` None or a float. It runs the same kernel on the same arguments
     as the general path (the same bits). ``kv_blocks``: as ``attention_on_blocks``. (int8
     steps took the general path until stop 40: 95 us a call against float16's 40, Nk=64.)

@@ -174,8 +174,17 @@ SERIAL_COMBINE = 1 << 18  # partial-output elements up to which the merge runs o
 # Nq=8 1.07* at 128, 0.68 at 256; Hq=8 Hkv=2, Nq=16 1.35 at 1024, 1.20* at 2048; Nq=12 1.20* at
 # 1536; Hq=32 Hkv=4, Nq=8 1.12* at 2048. (32 keys a query without GQA too, the rule's first
 # form, tied on 2 threads at 256-512 keys but lost 0.68-0.79x on one.)
+# Since stop 64 a one-tile call's tasks pack their own K/V (``forward.packs_own_tiles``), and
+# without GQA the tiled path takes calls from TILED_FROM_NQ_MHA queries on. Measured as above
+# (stop 64): Hq=Hkv=12, Nq=4: 1.23* 1.16 0.64 at Nk = 64 128 256 (one thread 1.07* 0.97 0.40);
+# Nq=6: 1.32 1.08* 1.21 0.90 at 64 96 128 256 (one thread 1.17 0.97* 1.24 0.88); Nq=7: 1.37
+# 1.59 1.56 at 16 64 128; Nq=1: 0.73-0.87 at 16-128. With GQA the decode path kept its lead
+# below 8 queries: Hq=8 Hkv=2, Nq=4: 0.94-0.97 at 256-1024 (one thread 1.02-1.15); Nq=6:
+# 0.98-1.05 at 256-1024; Hq=32 Hkv=4 Nq=4: 1.20 0.94 0.76 at 512 1024 2048; Hq=16 Hkv=2 Nq=5:
+# 0.83-0.95 at 512-2048.
 # A KVCache's blocks and float16/int8 caches stay on this path: it reads them in place.
 TILED_FROM_NQ = 8
+TILED_FROM_NQ_MHA = 4
 TILED_KEYS_PER_ROW = 32
 TILED_KEYS_PER_QUERY_MHA = 16
 
@@ -187,8 +196,9 @@ def takes_decode(n_q, n_k, group, cache):
     place: up to ``MAX_NQ`` queries it always takes those."""
     if n_q > MAX_NQ:
         return False
-    per_query = TILED_KEYS_PER_ROW * group if group > 1 else TILED_KEYS_PER_QUERY_MHA
-    return cache or n_q < TILED_FROM_NQ or n_k > per_query * n_q
+    if group > 1:
+        return cache or n_q < TILED_FROM_NQ or n_k > TILED_KEYS_PER_ROW * group * n_q
+    return cache or n_q < TILED_FROM_NQ_MHA or n_k > TILED_KEYS_PER_QUERY_MHA * n_q
 
 
 def chunk_keys(rows, itemsize):
