@@ -228,8 +228,9 @@ def _plain_forward(q, k, v, causal, scale, return_lse, shapes=False):
 @functools.lru_cache(maxsize=64)
 def _no_options(causal, n_b, n_hq, n_q, n_k, dtype):
     """``run_forward``'s ``band, mods, user_mask, drop`` for a call with no option but
-    ``causal``, as the general path builds them; kept per shape (read-only arrays and
-    stand-ins: about 1 us of a 16-token prompt's 38 us call)."""
+    ``causal``, as the general path builds them; kept per shape (about 1 us of a 16-token
+    prompt's 38 us call). Their arrays are the ones ``masks`` already shares between calls,
+    which the kernels only read."""
     return (masks.band(causal, None, None, n_b, n_k), masks.modifiers(None, None, n_b, n_hq),
             masks.UserMask(None, n_b, n_hq, n_q, n_k, dtype), masks.NO_DROPOUT)
 

@@ -118,9 +118,9 @@ def finish_row(m, l, sink):
 
 @kernel(strided=("q", "mask_bools", "mask_adds", "tile_state", "sinks"),
         read_only=("k_own", "v_own", "seqs", "kv_lens", "slopes", "seeds"))
-def forward(q, kt, vt, k_own, v_own, n_hkv, block_q, scale, left, right, seqs, kv_lens, softcap, slopes,
-            mask_bools, mask_adds, mask_is_bool, tile_state, drop_below, inv_keep, seeds, sinks,
-            out_flat, out_layout, lse, n_threads):
+def forward(q, kt, vt, k_own, v_own, n_hkv, block_q, scale, left, right, seqs, kv_lens, softcap,
+            slopes, mask_bools, mask_adds, mask_is_bool, tile_state, drop_below, inv_keep, seeds,
+            sinks, out_flat, out_layout, lse, n_threads):
     """Attention forward on packed K/V, for the sequences of the table ``seqs``
     (sequences.py): one task per (sequence, head, query block), shared out by ``n_threads``
     workers (``tasks.next_task``).
@@ -418,7 +418,8 @@ def run_varlen(q, k, v, cu_q, cu_k, scale, band, mods, drop, portable, sinks=Non
                        block_k * max(1, int(seqs[:, TILES].max())), q.dtype)
     no_own = no_tiles(q.dtype, 1)[None]
     run_shared(forward_portable if portable else forward, q.transpose(1, 0, 2)[None], kt, vt,
-                no_own, no_own, n_hkv, block_q, scale, band[0], band[1], seqs, k_lens.astype(np.int64),
+                no_own, no_own, n_hkv, block_q, scale, band[0], band[1], seqs,
+                k_lens.astype(np.int64),
                 mods[0], mods[1], *no_mask.kernel_args(),
                 no_mask.tile_states(block_q, block_k), drop[0], drop[2], drop[1],
                 NO_SINKS if sinks is None else sinks, out.reshape(-1), (0, dv, n_hq * dv, dv), lse)
