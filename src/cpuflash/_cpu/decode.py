@@ -178,10 +178,11 @@ SERIAL_COMBINE = 1 << 18  # partial-output elements up to which the merge runs o
 # without GQA the tiled path takes calls from TILED_FROM_NQ_MHA queries on. Measured as above
 # (stop 64): Hq=Hkv=12, Nq=4: 1.23* 1.16 0.64 at Nk = 64 128 256 (one thread 1.07* 0.97 0.40);
 # Nq=6: 1.32 1.08* 1.21 0.90 at 64 96 128 256 (one thread 1.17 0.97* 1.24 0.88); Nq=7: 1.37
-# 1.59 1.56 at 16 64 128; Nq=1: 0.73-0.87 at 16-128. With GQA the decode path kept its lead
-# below 8 queries: Hq=8 Hkv=2, Nq=4: 0.94-0.97 at 256-1024 (one thread 1.02-1.15); Nq=6:
-# 0.98-1.05 at 256-1024; Hq=32 Hkv=4 Nq=4: 1.20 0.94 0.76 at 512 1024 2048; Hq=16 Hkv=2 Nq=5:
-# 0.83-0.95 at 512-2048.
+# 1.59 1.56 at 16 64 128; Nq=1: 0.73-0.87 at 16-128. With GQA below 8 queries the tiled
+# kernel led only at 128 keys or fewer (Hq=8 Hkv=2, Nq=4: 1.03-1.10 at 16-128; Nq=7: 1.12-1.33)
+# and not over the rest of the rule's range: Hq=8 Hkv=2, Nq=4: 0.94-0.97 at 256-1024 (one
+# thread 1.02-1.15); Nq=6: 0.98-1.05 at 256-1024; Hq=32 Hkv=4 Nq=4: 1.20 0.94 0.76 at 512 1024
+# 2048; Hq=16 Hkv=2 Nq=5: 0.83-0.95 at 512-2048. So GQA keeps TILED_FROM_NQ.
 # A KVCache's blocks and float16/int8 caches stay on this path: it reads them in place.
 TILED_FROM_NQ = 8
 TILED_FROM_NQ_MHA = 4
