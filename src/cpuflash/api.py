@@ -69,8 +69,7 @@ def attention(q, k, v, *, causal=False, scale=None, mask=None, window=None, kv_l
             and v_scale is None and device is None and type(dropout_p) in (float, int)
             and dropout_p == 0 and (return_lse is False or return_lse is True)):
         shapes = _plain_shapes(q, k, v, causal, scale)  # once for both plain paths
-        result = (_plain_decode(q, k, v, causal, scale, shapes=shapes)
-                  if return_lse is False else None)
+        result = _plain_decode(q, k, v, causal, scale, shapes) if return_lse is False else None
         if result is None:
             result = _plain_forward(q, k, v, causal, scale, return_lse, shapes)
         if result is not None:
@@ -98,7 +97,8 @@ def attention_on_blocks(q, kv_blocks, n_k, options):
     if options.keys() <= _PLAIN_ON_BLOCKS:
         kv_scales = (None if "k_scale" not in options and "v_scale" not in options
                      else (options.get("k_scale"), options.get("v_scale")))
-        result = _plain_decode(q, k, v, options.get("causal", False), options.get("scale"),
+        causal, scale = options.get("causal", False), options.get("scale")
+        result = _plain_decode(q, k, v, causal, scale, _plain_shapes(q, k, v, causal, scale),
                                kv_blocks, kv_scales)
         if result is not None:
             return result
@@ -174,7 +174,7 @@ def _attention(q, k, v, kv_blocks, *, causal=False, scale=None, mask=None, windo
     return result
 
 
-def _plain_decode(q, k, v, causal, scale, kv_blocks=None, kv_scales=None, shapes=False):
+def _plain_decode(q, k, v, causal, scale, shapes, kv_blocks=None, kv_scales=None):
     """A decode step with no option but ``causal`` and ``scale`` (and an int8 cache's scales),
     straight to the decode path, or None for anything else (the general path then checks it,
     and raises what it must).
@@ -193,15 +193,16 @@ def _plain_decode(q, k, v, causal, scale, kv_blocks=None, kv_scales=None, shapes
     ``causal`` a bool, ``scale`` None or a float. It runs the same kernel on the same arguments
     as the general path (the same bits). ``kv_blocks``: as ``attention_on_blocks``. (int8
     steps took the general path until stop 40: 95 us a call against float16's 40, Nk=64.)
-    ``shapes``: ``_plain_shapes``' answer for this call where the caller has it already."""
-    args = _plain_decode_args(q, k, v, causal, scale, kv_blocks, kv_scales, shapes)
+    ``shapes``: ``_plain_shapes``' answer for the call (its callers ask it once for both plain
+    paths)."""
+    args = _plain_decode_args(q, k, v, causal, scale, shapes, kv_blocks, kv_scales)
     if args is None:
         return None
     decode(*args)
     return args[ARG["out"]]
 
 
-def _plain_forward(q, k, v, causal, scale, return_lse, shapes=False):
+def _plain_forward(q, k, v, causal, scale, return_lse, shapes):
     """A forward call with no option but ``causal``, ``scale`` and ``return_lse`` (a bool),
     straight to ``run_forward`` with the arguments the general path would build (the same
     kernel on the same arguments: the same bits), or None for anything else (the general path
@@ -213,8 +214,6 @@ def _plain_forward(q, k, v, causal, scale, return_lse, shapes=False):
     The general path's checks and objects cost a call about 18 us more (B=1, H=1, N=64, D=64:
     83 against 65 us, side by side), what a small model's short sequences pay on every layer
     (1.06-1.12x at 12-16 heads of 64-128 tokens). ``shapes``: as ``_plain_decode``'s."""
-    if shapes is False:
-        shapes = _plain_shapes(q, k, v, causal, scale)
     if shapes is None:
         return None
     n_b, n_hq, n_q, n_k, d, q_type, k_type = shapes
@@ -235,11 +234,9 @@ def _no_options(causal, n_b, n_hq, n_q, n_k, dtype):
             masks.UserMask(None, n_b, n_hq, n_q, n_k, dtype), masks.NO_DROPOUT)
 
 
-def _plain_decode_args(q, k, v, causal, scale, kv_blocks, kv_scales, shapes=False):
+def _plain_decode_args(q, k, v, causal, scale, shapes, kv_blocks, kv_scales):
     """``_plain_decode``'s kernel arguments (``decode.decode_args``), or None where it does not
     take the call. ``shapes``: as ``_plain_decode``'s."""
-    if shapes is False:
-        shapes = _plain_shapes(q, k, v, causal, scale)
     if shapes is None or config.PORTABLE:
         return None
     n_b, n_hq, n_q, n_k, d, q_type, k_type = shapes
@@ -294,7 +291,8 @@ def step_plan(q, kv_blocks, n_k, causal, scale, scales=None):
     cache's ``(k_scale, v_scale)`` of the layer, (B, Hkv, max_len) each."""
     k, v = _block_stand_ins(kv_blocks, n_k)
     kv_scales = None if scales is None else tuple(x[:, :, :n_k] for x in scales)
-    args = _plain_decode_args(q, k, v, causal, scale, kv_blocks, kv_scales)
+    args = _plain_decode_args(q, k, v, causal, scale, _plain_shapes(q, k, v, causal, scale),
+                              kv_blocks, kv_scales)
     return None if args is None else StepPlan(args, scales)
 
 

@@ -198,8 +198,10 @@ def takes_decode(n_q, n_k, group, cache):
     if n_q > MAX_NQ:
         return False
     if group > 1:
-        return cache or n_q < TILED_FROM_NQ or n_k > TILED_KEYS_PER_ROW * group * n_q
-    return cache or n_q < TILED_FROM_NQ_MHA or n_k > TILED_KEYS_PER_QUERY_MHA * n_q
+        from_nq, keys_a_query = TILED_FROM_NQ, TILED_KEYS_PER_ROW * group
+    else:
+        from_nq, keys_a_query = TILED_FROM_NQ_MHA, TILED_KEYS_PER_QUERY_MHA
+    return cache or n_q < from_nq or n_k > keys_a_query * n_q
 
 
 def chunk_keys(rows, itemsize):

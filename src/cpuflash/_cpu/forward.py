@@ -44,8 +44,8 @@ from .sequences import (BLOCK_Q, N_Q, N_QB, Q_BATCH, Q_ROW0, TASK0, TILE0, TILES
 from .tasks import new_claims, next_task, num_threads, run_shared
 from .decode import NO_SINKS, arrays_of_blocks, run_decode, sink_of, takes_decode
 from ..masks import UserMask
-from .pack import (empty, keys_transposed_task, output, packed_kv, packed_varlen, scratch,
-                   values_task)
+from .pack import (empty, key_tile, keys_transposed_task, output, packed_kv, packed_varlen,
+                   scratch, values_task)
 from .masking import (HIDDEN, MIXED, apply_user_mask, band_runs, mask_tile,
                       tile_key_range, tile_needs_mask)
 from .dropout import dropout_row
@@ -129,8 +129,8 @@ def forward(q, kt, vt, k_own, v_own, n_hkv, block_q, scale, left, right, seqs, k
     (tiles, block_k * Dv_pad), laid out as ``pack.packed_kv`` makes them; n_hkv: key heads.
     k_own, v_own: empty, or K and V themselves, C-contiguous (B, Hkv, Nk, D/Dv), for a dense
     call whose tasks read one key tile each (``packs_own_tiles``): each task then packs its
-    head's tile into its worker's scratch, with the code ``pack_tiles`` runs (the same bytes),
-    and ``kt``, ``vt`` are empty, their widths alone given.
+    head's tile into its worker's scratch, with the helpers ``pack_tiles`` calls (the same
+    bytes), and ``kt``, ``vt`` are empty, their widths alone given.
     block_q: the largest query block in ``seqs``. scale: the scores' scale.
     left, right, kv_lens: the band of keys each row sees (masking.py); kv_lens: (S,) int64.
     softcap, slopes (S, Hq): the score modifiers, 0 for off (scores.py).
@@ -190,13 +190,14 @@ def forward(q, kt, vt, k_own, v_own, n_hkv, block_q, scale, left, right, seqs, k
             qb = balanced_order(qb, n_qb)
             q_b, row0 = seqs[b, Q_BATCH], seqs[b, Q_ROW0]
             tile0 = seqs[b, TILE0] + (h // group) * seqs[b, TILES]
-            if own_tiles:  # the head's one key tile, packed as pack_tiles would
+            if own_tiles:  # the head's one key tile, packed as pack_tiles packs tile 0
                 tile0 = 0
-                n_own = k_own.shape[2]
-                src = (q_b * n_hkv + h // group) * n_own
-                keys_transposed_task(k_own.reshape(-1), src * d, d, n_own, d, block_k, panel,
+                kv_head, n_own = q_b * n_hkv + h // group, k_own.shape[2]
+                k_src, n_packed = key_tile(kv_head, 1, block_k, n_own, d)
+                keys_transposed_task(k_own.reshape(-1), k_src, d, n_packed, d, block_k, panel,
                                      k_tiles, 0)
-                values_task(v_own.reshape(-1), src * dv, dv, n_own, dv, dv_pad, block_k, panel,
+                v_src, _ = key_tile(kv_head, 1, block_k, n_own, dv)
+                values_task(v_own.reshape(-1), v_src, dv, n_packed, dv, dv_pad, block_k, panel,
                             False, v_tiles, 0)
             n_k = kv_lens[b]
             q0 = qb * bq
@@ -297,9 +298,16 @@ forward_portable = portable_twin(forward)
 @functools.lru_cache(maxsize=16)
 def no_tiles(dtype, width):
     """An empty (0, 1, ``width``) array of ``dtype``: the packed tiles of a call that packs its
-    own (``packs_own_tiles``), which give the kernel only their width; ``[None]`` of one, an
-    empty 4-D array, is its ``k_own``/``v_own`` where it does not. Made once, never written."""
+    own (``packs_own_tiles``), which give the kernel only their width. Made once, never
+    written."""
     return np.empty((0, 1, width), dtype)
+
+
+@functools.lru_cache(maxsize=4)
+def no_own_kv(dtype):
+    """An empty (0, 0, 0, 0) array of ``dtype``: the kernel's ``k_own`` and ``v_own`` where
+    the tiles are packed beforehand. Made once, never written."""
+    return np.empty((0, 0, 0, 0), dtype)
 
 
 # Tiles packed more than once a call when the tasks pack their own (``packs_own_tiles``): each
@@ -316,13 +324,12 @@ def packs_own_tiles(q, k, v, block_k, block_q):
     where each task is one query block on one key tile, and a GQA group's heads repack their
     K/V head's tile at most ``OWN_TILES_MAX_REPACKS`` times a call. That saves the packing's
     own parallel region and kernel call, about 6 us, which a short prompt's call paid on top
-    of its 30-40 us. K and V C-contiguous, V's rows whole vectors: the layout ``packed_kv``
-    packs in one region with the same code, so the same bytes."""
+    of its 30-40 us. K and V C-contiguous (the tasks read their rows by offsets, as
+    ``pack_tiles`` does); V's rows padded to whole vectors as ``packed_kv`` pads them."""
     n_b, n_hq, n_q, _ = q.shape
-    n_hkv, n_k, dv = k.shape[1], k.shape[2], v.shape[3]
+    n_hkv, n_k = k.shape[1], k.shape[2]
     return (n_k <= block_k and n_q <= block_q and n_b * (n_hq - n_hkv) <= OWN_TILES_MAX_REPACKS
-            and k.flags.c_contiguous and v.flags.c_contiguous
-            and dv % config.lanes(q.dtype) == 0)
+            and k.flags.c_contiguous and v.flags.c_contiguous)
 
 
 def run_forward(q, k, v, scale, band, mods, user_mask, drop, portable, out=None,
@@ -372,11 +379,13 @@ def run_forward(q, k, v, scale, band, mods, user_mask, drop, portable, out=None,
     block_k = config.block_k(d, n_k)
     block_q = config.block_q(n_q, d, n_b * n_hq, num_threads())
     if packs_own_tiles(q, k, v, block_k, block_q):
-        kt, vt = no_tiles(q.dtype, d * block_k), no_tiles(q.dtype, block_k * dv)
+        lanes = config.lanes(q.dtype)
+        dv_pad = -(-dv // lanes) * lanes
+        kt, vt = no_tiles(q.dtype, d * block_k), no_tiles(q.dtype, block_k * dv_pad)
         k_own, v_own = k, v
     else:
         kt, vt = packed_kv(k, v, block_k, config.lanes(q.dtype), config.panel_width(q.dtype))
-        k_own = v_own = no_tiles(q.dtype, 1)[None]
+        k_own = v_own = no_own_kv(q.dtype)
     seqs, _ = sequences.dense(int(n_b), int(n_hq), int(n_q), int(block_q), int(k.shape[1]),
                               int(kt.shape[1]))
     run_shared(forward_portable if portable else forward, q, kt.reshape(-1, kt.shape[2]),
@@ -416,7 +425,7 @@ def run_varlen(q, k, v, cu_q, cu_k, scale, band, mods, drop, portable, sinks=Non
                            config.panel_width(q.dtype), n_tiles)
     no_mask = UserMask(None, n_seq, n_hq, block_q * int(seqs[:, N_QB].max()),
                        block_k * max(1, int(seqs[:, TILES].max())), q.dtype)
-    no_own = no_tiles(q.dtype, 1)[None]
+    no_own = no_own_kv(q.dtype)
     run_shared(forward_portable if portable else forward, q.transpose(1, 0, 2)[None], kt, vt,
                 no_own, no_own, n_hkv, block_q, scale, band[0], band[1], seqs,
                 k_lens.astype(np.int64),
