@@ -26,7 +26,7 @@ from cpuflash._cpu.pack import on_line
 def scores(s, ld_s, q_s, kt, rows, keys, d, row_vmax, tile_max, reps, n_tiles):
     for it in range(reps):
         tiles.tile_product_max(s, 0, ld_s, q_s, 0, d, 1, kt, (it % n_tiles) * d * keys, d,
-                               rows, keys, d, row_vmax, tile_max, False)
+                               rows, keys, d, row_vmax, tile_max, 0, False)
 
 
 @numba.njit(fastmath={"contract"})

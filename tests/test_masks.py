@@ -423,7 +423,7 @@ def test_band_scores_leave_the_masked_tile_as_the_whole_product_does(banded, por
                 assert (runs[:n_runs, 2] % (block_k // 2) != 0).any()
         else:
             tile_product_max(s, 0, ld_s, q_s, 0, d, 1, kt, 0, d, bq, block_k, d, row_vmax,
-                             tile_max, portable)
+                             tile_max, 0, portable)
         if not (by_band and not banded):  # a tile not banded is the whole product, unmasked
             mask_tile(s, ld_s, rows, q0, k0, block_k, n_q, n_k, left, right, -np.inf,
                       portable)

@@ -92,7 +92,7 @@ def _max_fused(a, b, rows, cols, k, ld, lanes):
     c = np.zeros(rows * ld, dtype=a.dtype)
     maxima = np.empty(rows, dtype=a.dtype)
     tile_product_max(c, 0, ld, a, 0, k, 1, b, 0, k, rows, cols, k,
-                     np.empty(rows * lanes, dtype=a.dtype), maxima, False)
+                     np.empty(rows * lanes, dtype=a.dtype), maxima, 0, False)
     return c, maxima
 
 

@@ -310,6 +310,16 @@ def helper(fn):
     return _helper_jit(fn, **HELPER_FLAGS)
 
 
+def inlined_helper(fn):
+    """A helper inlined into every caller by Numba itself (``inline="always"``). A view that a
+    kernel makes and passes to a helper (a row of Q, ``q[b, h, row]``) costs two atomic
+    operations on its reference count, the view's own; once the helper's body is the
+    caller's, Numba's reference-count pass drops them. ``tiles.scale_row``, called for each
+    query row: a 16-token prompt's task (16 rows, one tile) spent about 0.4 us of its 2.8 in
+    such operations, 32 of them (stop 65, ``bench/cpu_profile.py``)."""
+    return _helper_jit(fn, inline="always", **HELPER_FLAGS)
+
+
 def micro_helper(fn):
     """A helper that only picks and calls a register-blocked micro-kernel (``tiles.py``'s
     dispatches): inlined into every caller by Numba itself (``inline="always"``), so the tile
@@ -318,4 +328,4 @@ def micro_helper(fn):
     call with some 20 arguments passed on the stack, and the tile products lost 2-6 %
     (stop 43, Zen 4, one core, a hot 128 x 128 tile at D=64, ``bench/cpu_tile_products.py``:
     S = Q K^T 19.72 -> 18.63 us, P V 18.62 -> 18.24 us)."""
-    return _helper_jit(fn, inline="always", **HELPER_FLAGS)
+    return inlined_helper(fn)

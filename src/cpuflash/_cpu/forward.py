@@ -95,7 +95,7 @@ def band_scores(s, ld_s, q_s, d, kt_flat, k_off, runs, n_runs, row_vmax, tile_ma
         r0, r1, need = runs[i, 0], runs[i, 1], runs[i, 2]
         if need > 0:
             tile_product_max(s, r0 * ld_s, ld_s, q_s, r0 * d, d, 1, kt_flat, k_off, d, r1 - r0,
-                             need, d, row_vmax, tile_max[r0:], portable)
+                             need, d, row_vmax, tile_max, r0, portable)
 
 
 @helper
@@ -166,6 +166,7 @@ def forward(q, kt, vt, k_own, v_own, n_hkv, block_q, scale, left, right, seqs, k
     claims = new_claims(n_workers)
     own_tiles = k_own.size > 0
     panel = config.MICRO_VECS * lanes
+    k_own_flat, v_own_flat = k_own.reshape(-1), v_own.reshape(-1)  # once, not a view a task
     for worker in prange(n_workers):  # one a thread: they share the tasks out (tasks.py)
         # A worker's scratch, for each of its tasks in turn
         k_tiles = scratch(tile_k, out_flat) if own_tiles else kt_flat  # its task's K tile
@@ -194,10 +195,10 @@ def forward(q, kt, vt, k_own, v_own, n_hkv, block_q, scale, left, right, seqs, k
                 tile0 = 0
                 kv_head, n_own = q_b * n_hkv + h // group, k_own.shape[2]
                 k_src, n_packed = key_tile(kv_head, 1, block_k, n_own, d)
-                keys_transposed_task(k_own.reshape(-1), k_src, d, n_packed, d, block_k, panel,
+                keys_transposed_task(k_own_flat, k_src, d, n_packed, d, block_k, panel,
                                      k_tiles, 0)
                 v_src, _ = key_tile(kv_head, 1, block_k, n_own, dv)
-                values_task(v_own.reshape(-1), v_src, dv, n_packed, dv, dv_pad, block_k, panel,
+                values_task(v_own_flat, v_src, dv, n_packed, dv, dv_pad, block_k, panel,
                             False, v_tiles, 0)
             n_k = kv_lens[b]
             q0 = qb * bq

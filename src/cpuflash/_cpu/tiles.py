@@ -13,7 +13,7 @@ import numpy as np
 
 from .. import config
 from . import simd
-from ._jit import helper, micro_helper
+from ._jit import helper, inlined_helper, micro_helper
 
 MR = config.MICRO_ROWS
 MAX_VECS = config.MICRO_VECS  # vectors per micro-tile row: the panel width of packed B
@@ -272,22 +272,26 @@ tile_product_softmax_grad = _product_with_epilogue("softmax_grad", E_AS_C, whole
 
 @helper
 def tile_product_max(c, c_off, ldc, a, a_off, a_rs, a_ks, b, b_off, b_panel, rows, cols, k,
-                     row_vmax, tile_max, portable):
+                     row_vmax, tile_max, tm_off, portable):
     """``C[:rows, :cols] = A[:rows, :k] @ B[:k, :cols]`` (B in packed panels of the
     micro-kernel's width, ``MAX_VECS`` vectors; cols whole vectors, the last panel read only in
-    part if cols ends inside it) and ``tile_max[r] = max(C[r, :cols])``, NaN passed over as
-    by ``row_max``. The SIMD form takes the maxima from the registers as each micro-tile is
-    stored, with no second pass over C; ``row_vmax``: scratch of ``rows`` vectors, the lane-wise
-    maxima over the panels."""
+    part if cols ends inside it) and ``tile_max[tm_off + r] = max(C[r, :cols])``, NaN passed
+    over as by ``row_max``. The SIMD form takes the maxima from the registers as each
+    micro-tile is stored, with no second pass over C; ``row_vmax``: scratch of ``rows``
+    vectors, the lane-wise maxima over the panels. ``tm_off`` and stores, not views of
+    ``tile_max`` and ``row_vmax``: each view costs two atomic operations on its reference
+    count, and this runs once a tile or a run of row blocks (``forward.band_scores``)."""
     panel_ld = MAX_VECS * simd.lanes_of(c)  # a panel's row stride, however much of it is read
     if portable:
         product_portable(c, c_off, ldc, a, a_off, a_rs, a_ks, b, b_off, panel_ld, b_panel, rows,
                          cols, k, False)
         for r in range(rows):
-            tile_max[r] = row_max(c, c_off + r * ldc, cols, True)
+            tile_max[tm_off + r] = row_max(c, c_off + r * ldc, cols, True)
         return
     lanes = simd.lanes_of(c)
-    row_vmax[:rows * lanes] = -np.inf
+    lowest = simd.vsplat(row_vmax, -np.inf)
+    for r in range(rows):
+        simd.vstore(row_vmax, r * lanes, lowest)
     if cols % panel_ld == 0:
         _product_rowmax(c, c_off, ldc, a, a_off, a_rs, a_ks, b, b_off, panel_ld, b_panel, rows,
                         cols, k, row_vmax, 0, row_vmax, 0, row_vmax, False)
@@ -296,7 +300,7 @@ def tile_product_max(c, c_off, ldc, a, a_off, a_rs, a_ks, b, b_off, b_panel, row
                                 b_panel, rows, cols, k, row_vmax, 0, row_vmax, 0, row_vmax,
                                 False)
     for r in range(rows):
-        tile_max[r] = simd.vhmax(simd.vload(row_vmax, r * lanes))
+        tile_max[tm_off + r] = simd.vhmax(simd.vload(row_vmax, r * lanes))
 
 
 @helper
@@ -460,7 +464,7 @@ def rescale_add(acc, tile, ld, rows, alpha_i, portable):
             simd.vstore(acc, j, simd.vfma(simd.vload(acc, j), alpha, simd.vload(tile, j)))
 
 
-@helper
+@inlined_helper
 def scale_row(dst, dst_off, src, n, scale, portable):
     """``dst[dst_off:dst_off+n] = src[:n] * scale`` for a 1-D ``src`` of any stride, each
     product in float64 and rounded once (``scale`` a float64, as Numba's scalar product): in
