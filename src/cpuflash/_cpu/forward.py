@@ -38,7 +38,7 @@ from numba import prange
 
 from .. import config
 from . import sequences, simd
-from ._jit import helper, kernel, portable_twin
+from ._jit import helper, inlined_helper, kernel, portable_twin
 from .sequences import (BLOCK_Q, N_Q, N_QB, Q_BATCH, Q_ROW0, TASK0, TILE0, TILES,
                         computed_rows, find_task)
 from .tasks import new_claims, next_task, num_threads, run_shared
@@ -70,7 +70,7 @@ def balanced_order(j, n):
     return j // 2 if j % 2 == 0 else n - 1 - j // 2
 
 
-@helper
+@inlined_helper
 def band_scores(s, ld_s, q_s, d, kt_flat, k_off, runs, n_runs, row_vmax, tile_max, portable):
     """``tile_product_max`` over a key tile, once per run of row blocks (``runs``: the
     ``(r0, r1, need)`` of ``masking.band_runs`` in steps of a vector of keys, as P V takes

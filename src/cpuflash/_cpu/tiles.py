@@ -270,7 +270,7 @@ tile_product_kahan = _product_with_epilogue("kahan", E_AS_C)
 tile_product_softmax_grad = _product_with_epilogue("softmax_grad", E_AS_C, whole_panels=True)
 
 
-@helper
+@inlined_helper
 def tile_product_max(c, c_off, ldc, a, a_off, a_rs, a_ks, b, b_off, b_panel, rows, cols, k,
                      row_vmax, tile_max, tm_off, portable):
     """``C[:rows, :cols] = A[:rows, :k] @ B[:k, :cols]`` (B in packed panels of the
