@@ -205,7 +205,7 @@ def forward(q, kt, vt, k_own, v_own, n_hkv, block_q, scale, left, right, seqs, k
             rows = min(bq, n_q - q0)
             rows_up = computed_rows(rows, bq)  # its padding past them: never computed or read
             out_row0 = q_b * out_layout[0] + h * out_layout[1] + (row0 + q0) * out_layout[2]
-            q_s[:rows_up * d] = 0.0
+            q_s[rows * d:rows_up * d] = 0.0  # padding rows; scale_row writes the others
             acc[:rows_up * dv_pad] = 0.0
             m_i[:] = -np.inf
             l_i[:] = 0.0
