@@ -125,6 +125,13 @@ def test_values_on_and_off_a_cache_line_share_one_packing_compilation(monkeypatc
     np.testing.assert_allclose(outs[0], reference.attention(q, k, v), atol=2e-6)
 
 
+def _plan(q, v, threads=2):
+    """The forward's ``tiling`` of a call of ``q`` on K/V of ``v``'s shape."""
+    from cpuflash._cpu import forward
+    (n_b, n_hq, n_q, d), (_, n_hkv, n_k, dv) = q.shape, v.shape
+    return forward.tiling(n_b, n_hq, n_hkv, n_q, n_k, d, dv, q.dtype, threads)
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("n_q, n_k, d, dv", [(16, 16, 64, 64), (9, 61, 37, 48), (64, 64, 64, 32),
@@ -139,7 +146,7 @@ def test_tasks_that_pack_their_own_tiles_give_the_packed_bits(n_q, n_k, d, dv, c
     as ``pack_values`` pads the packed ones.)"""
     from cpuflash._cpu import forward
     q, k, v = rands((2, 3, n_q, d), (2, 3, n_k, d), (2, 3, n_k, dv), seed=n_q + n_k, dtype=dtype)
-    assert forward.packs_own_tiles(q, k, v, config.block_k(d, n_k), config.block_q(n_q, d, 6, 2))
+    assert forward.packs_own_tiles(_plan(q, v), k, v)
     packed = []
     monkeypatch.setattr(forward, "packed_kv", lambda *a: packed.append(1) or pack.packed_kv(*a))
     own = cpuflash.attention(q, k, v, causal=causal, return_lse=True)
@@ -162,20 +169,19 @@ def test_what_packs_in_one_region():
     ones."""
     from cpuflash._cpu import forward
     q, k, v = rands((2, 4, 16, 64), (2, 4, 16, 64), (2, 4, 16, 64), seed=3)
-    bk, bq = config.block_k(64, 16), config.block_q(16, 64, 8, 2)
-    assert forward.packs_own_tiles(q, k, v, bk, bq)
+    assert forward.packs_own_tiles(_plan(q, v), k, v)
     pair, one = (k[:, :2].copy(), v[:, :2].copy()), (k[:, :1].copy(), v[:, :1].copy())
-    assert forward.packs_own_tiles(q, *pair, bk, bq)  # 2 * (4 - 2) repacks
+    assert forward.packs_own_tiles(_plan(q, pair[1]), *pair)  # 2 * (4 - 2) repacks
     many = rands((2, 8, 16, 64), seed=6)[0]
     assert forward.OWN_TILES_MAX_REPACKS < 2 * (8 - 1)
-    assert not forward.packs_own_tiles(many, *one, bk, bq)
-    assert not forward.packs_own_tiles(q, k.transpose(0, 1, 3, 2).copy().transpose(0, 1, 3, 2),
-                                       v, bk, bq)
-    assert not forward.packs_own_tiles(q, k, v[..., ::-1], bk, bq)
+    assert not forward.packs_own_tiles(_plan(many, one[1]), *one)
+    assert not forward.packs_own_tiles(
+        _plan(q, v), k.transpose(0, 1, 3, 2).copy().transpose(0, 1, 3, 2), v)
+    assert not forward.packs_own_tiles(_plan(q, v), k, v[..., ::-1])
     long_q = rands((2, 4, 100, 64), seed=4)[0]
-    assert not forward.packs_own_tiles(long_q, k, v, bk, config.block_q(100, 64, 8, 2))
+    assert not forward.packs_own_tiles(_plan(long_q, v), k, v)
     long_k = rands((2, 4, 300, 64), seed=5)[0]
-    assert not forward.packs_own_tiles(q, long_k, long_k, config.block_k(64, 300), bq)
+    assert not forward.packs_own_tiles(_plan(q, long_k), long_k, long_k)
     for group_k, group_v in (pair, one):
         own = cpuflash.attention(q, group_k, group_v, causal=True, return_lse=True)
         with pytest.MonkeyPatch.context() as mp:

@@ -32,6 +32,7 @@ and only then ``mask_tile`` sets scores to ``-inf`` element by element. Later ma
 kv_lens, bool/float masks, ALiBi, softcap, dropout) slot into these three functions.
 """
 import functools
+from typing import NamedTuple
 
 import numpy as np
 from numba import prange
@@ -296,6 +297,38 @@ def forward(q, kt, vt, k_own, v_own, n_hkv, block_q, scale, left, right, seqs, k
 forward_portable = portable_twin(forward)
 
 
+class Tiling(NamedTuple):
+    """What a dense forward call of one geometry runs on besides its arrays (``tiling``)."""
+    block_k: int
+    block_q: int
+    own_shapes: bool  # each task one query block on one key tile (``packs_own_tiles``)
+    no_kt: np.ndarray  # the kernel's ``kt``, ``vt`` where the tasks pack their own tiles
+    no_vt: np.ndarray
+    seqs_own: np.ndarray  # the sequence table then (one tile a K/V head),
+    seqs_packed: np.ndarray  # and where K/V are packed beforehand
+    out_layout: tuple
+
+
+@functools.lru_cache(maxsize=64)
+def tiling(n_b, n_hq, n_hkv, n_q, n_k, d, dv, dtype, threads):
+    """The tile sizes, the stand-ins and the sequence tables of a dense forward call, kept per
+    geometry: made anew, they were about 3 us of Python a call (a 16-token prompt's call
+    36-40 us), what every layer of a small model pays on each short sequence."""
+    block_k = config.block_k(d, n_k)
+    block_q = config.block_q(n_q, d, n_b * n_hq, threads)
+    lanes = config.lanes(dtype)
+    dv_pad = -(-dv // lanes) * lanes
+    n_blocks = -(-n_k // block_k)
+    own_shapes = (n_k <= block_k and n_q <= block_q
+                  and n_b * (n_hq - n_hkv) <= OWN_TILES_MAX_REPACKS)
+    no_kt = no_tiles(dtype, d * block_k).reshape(0, d * block_k)
+    no_vt = no_tiles(dtype, block_k * dv_pad).reshape(0, block_k * dv_pad)
+    seqs_own, _ = sequences.dense(n_b, n_hq, n_q, block_q, n_hkv, 1)
+    seqs_packed, _ = sequences.dense(n_b, n_hq, n_q, block_q, n_hkv, n_blocks)
+    return Tiling(block_k, block_q, own_shapes, no_kt, no_vt, seqs_own, seqs_packed,
+                  (n_hq * n_q * dv, n_q * dv, dv, dv))
+
+
 @functools.lru_cache(maxsize=16)
 def no_tiles(dtype, width):
     """An empty (0, 1, ``width``) array of ``dtype``: the packed tiles of a call that packs its
@@ -320,17 +353,15 @@ def no_own_kv(dtype):
 OWN_TILES_MAX_REPACKS = 12
 
 
-def packs_own_tiles(q, k, v, block_k, block_q):
-    """Whether the forward kernel's tasks pack their own K/V tiles (``forward``'s ``k_own``):
-    where each task is one query block on one key tile, and a GQA group's heads repack their
-    K/V head's tile at most ``OWN_TILES_MAX_REPACKS`` times a call. That saves the packing's
-    own parallel region and kernel call, about 6 us, which a short prompt's call paid on top
-    of its 30-40 us. K and V C-contiguous (the tasks read their rows by offsets, as
-    ``pack_tiles`` does); V's rows padded to whole vectors as ``packed_kv`` pads them."""
-    n_b, n_hq, n_q, _ = q.shape
-    n_hkv, n_k = k.shape[1], k.shape[2]
-    return (n_k <= block_k and n_q <= block_q and n_b * (n_hq - n_hkv) <= OWN_TILES_MAX_REPACKS
-            and k.flags.c_contiguous and v.flags.c_contiguous)
+def packs_own_tiles(plan, k, v):
+    """Whether the forward kernel's tasks pack their own K/V tiles (``forward``'s ``k_own``),
+    for a call of ``plan`` (``tiling``): where each task is one query block on one key tile,
+    and a GQA group's heads repack their K/V head's tile at most ``OWN_TILES_MAX_REPACKS``
+    times a call (``plan.own_shapes``). That saves the packing's own parallel region and
+    kernel call, about 6 us, which a short prompt's call paid on top of its 30-40 us. K and V
+    C-contiguous (the tasks read their rows by offsets, as ``pack_tiles`` does); V's rows
+    padded to whole vectors as ``packed_kv`` pads them."""
+    return plan.own_shapes and k.flags.c_contiguous and v.flags.c_contiguous
 
 
 def run_forward(q, k, v, scale, band, mods, user_mask, drop, portable, out=None,
@@ -377,26 +408,21 @@ def run_forward(q, k, v, scale, band, mods, user_mask, drop, portable, out=None,
         k = k.astype(q.dtype)
     if v.dtype != q.dtype:
         v = v.astype(q.dtype)
-    block_k = config.block_k(d, n_k)
-    block_q = config.block_q(n_q, d, n_b * n_hq, num_threads())
-    if packs_own_tiles(q, k, v, block_k, block_q):
-        lanes = config.lanes(q.dtype)
-        dv_pad = -(-dv // lanes) * lanes
-        kt, vt = no_tiles(q.dtype, d * block_k), no_tiles(q.dtype, block_k * dv_pad)
+    plan = tiling(n_b, n_hq, k.shape[1], n_q, n_k, d, dv, q.dtype, num_threads())
+    block_k, block_q = plan.block_k, plan.block_q
+    if packs_own_tiles(plan, k, v):
+        kt, vt, seqs = plan.no_kt, plan.no_vt, plan.seqs_own
         k_own, v_own = k, v
     else:
         kt, vt = packed_kv(k, v, block_k, config.lanes(q.dtype), config.panel_width(q.dtype))
+        kt, vt = kt.reshape(-1, kt.shape[2]), vt.reshape(-1, vt.shape[2])
+        seqs = plan.seqs_packed
         k_own = v_own = no_own_kv(q.dtype)
-    seqs, _ = sequences.dense(int(n_b), int(n_hq), int(n_q), int(block_q), int(k.shape[1]),
-                              int(kt.shape[1]))
-    run_shared(forward_portable if portable else forward, q, kt.reshape(-1, kt.shape[2]),
-                vt.reshape(-1, vt.shape[2]), k_own, v_own, k.shape[1], block_q, scale, left,
-                right,
-                seqs, kv_lens, mods[0], mods[1], *user_mask.kernel_args(),
-                user_mask.tile_states(block_q, block_k), drop[0], drop[2],
-                np.full(n_b, drop[1]) if drop[0] else NO_SEEDS,
-                NO_SINKS if sinks is None else sinks, out.reshape(-1),
-                (n_hq * n_q * dv, n_q * dv, dv, dv), lse)
+    run_shared(forward_portable if portable else forward, q, kt, vt, k_own, v_own, k.shape[1],
+               block_q, scale, left, right, seqs, kv_lens, mods[0], mods[1],
+               *user_mask.kernel_args(), user_mask.tile_states(block_q, block_k), drop[0],
+               drop[2], np.full(n_b, drop[1]) if drop[0] else NO_SEEDS,
+               NO_SINKS if sinks is None else sinks, out.reshape(-1), plan.out_layout, lse)
     return out, lse
 
 
