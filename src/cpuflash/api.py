@@ -226,10 +226,10 @@ def _plain_forward(q, k, v, causal, scale, return_lse, shapes):
 
 @functools.lru_cache(maxsize=64)
 def _no_options(causal, n_b, n_hq, n_q, n_k, dtype):
-    """``run_forward``'s ``band, mods, user_mask, drop`` for a call with no option but
-    ``causal``, as the general path builds them; kept per shape (about 1 us of a 16-token
-    prompt's 38 us call). Their arrays are the ones ``masks`` already shares between calls,
-    which the kernels only read."""
+    """``run_forward``'s and ``decode_args``' ``band, mods, user_mask, drop`` for a call with
+    no option but ``causal``, as the general path builds them; kept per shape (about 1 us of a
+    16-token prompt's 38 us call). Their arrays are the ones ``masks`` already shares between
+    calls, which the kernels only read."""
     return (masks.band(causal, None, None, n_b, n_k), masks.modifiers(None, None, n_b, n_hq),
             masks.UserMask(None, n_b, n_hq, n_q, n_k, dtype), masks.NO_DROPOUT)
 
@@ -254,9 +254,7 @@ def _plain_decode_args(q, k, v, causal, scale, shapes, kv_blocks, kv_scales):
         return None
     # Everything else is valid here, so a NaN or zero scale raises what the general path would.
     return decode_args(q, k, v, _checks.scale(scale, d),
-                       masks.band(causal, None, None, n_b, n_k),
-                       masks.modifiers(None, None, n_b, n_hq),
-                       masks.UserMask(None, n_b, n_hq, n_q, n_k, q.dtype), masks.NO_DROPOUT,
+                       *_no_options(causal, n_b, n_hq, n_q, n_k, q.dtype),
                        kv_scales=kv_scales, kv_blocks=kv_blocks)
 
 

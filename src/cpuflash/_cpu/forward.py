@@ -321,20 +321,12 @@ def tiling(n_b, n_hq, n_hkv, n_q, n_k, d, dv, dtype, threads):
     n_blocks = -(-n_k // block_k)
     own_shapes = (n_k <= block_k and n_q <= block_q
                   and n_b * (n_hq - n_hkv) <= OWN_TILES_MAX_REPACKS)
-    no_kt = no_tiles(dtype, d * block_k).reshape(0, d * block_k)
-    no_vt = no_tiles(dtype, block_k * dv_pad).reshape(0, block_k * dv_pad)
+    no_kt = np.empty((0, d * block_k), dtype)  # never written: only their widths are read
+    no_vt = np.empty((0, block_k * dv_pad), dtype)
     seqs_own, _ = sequences.dense(n_b, n_hq, n_q, block_q, n_hkv, 1)
     seqs_packed, _ = sequences.dense(n_b, n_hq, n_q, block_q, n_hkv, n_blocks)
     return Tiling(block_k, block_q, own_shapes, no_kt, no_vt, seqs_own, seqs_packed,
                   (n_hq * n_q * dv, n_q * dv, dv, dv))
-
-
-@functools.lru_cache(maxsize=16)
-def no_tiles(dtype, width):
-    """An empty (0, 1, ``width``) array of ``dtype``: the packed tiles of a call that packs its
-    own (``packs_own_tiles``), which give the kernel only their width. Made once, never
-    written."""
-    return np.empty((0, 1, width), dtype)
 
 
 @functools.lru_cache(maxsize=4)
