@@ -32,6 +32,37 @@ def test_each_copy_alone_equals_it_among_all(n_k):
     assert np.isnan(every[0]).any() and not np.isnan(every[2]).any()
 
 
+@pytest.mark.parametrize("n_valid, d", [(16, 64), (37, 64), (5, 20), (0, 16)])
+def test_a_padded_tile_writes_only_its_keys(n_valid, d):
+    """``padded``: the packing helpers leave the whole vectors past a tile's keys as they find
+    them (the zeros a tile of as many keys left there: the forward's own tiles after a
+    worker's first task) and write the same bytes as a fresh pack everywhere else. K^T's
+    panels keep the zeros that fill the last vector of keys; V's rows past ``n_valid`` are
+    left alone."""
+    lanes, block_k = config.lanes(np.dtype(np.float32)), 64
+    w, dv_pad = config.panel_width(np.dtype(np.float32)), -(-d // lanes) * lanes
+    k = rands((block_k, d), seed=n_valid + d)[0].reshape(-1)
+    kt_fresh, kt = np.full(d * block_k, 7.0, np.float32), np.full(d * block_k, 7.0, np.float32)
+    pack.keys_transposed_task(k, 0, d, n_valid, d, block_k, w, kt_fresh, 0, False)
+    pack.keys_transposed_task(k, 0, d, n_valid, d, block_k, w, kt, 0, True)
+    kt_fresh, kt = kt_fresh.reshape(d, block_k), kt.reshape(d, block_k)  # one panel of 64 keys
+    keys_up = -(-n_valid // lanes) * lanes if d % lanes == 0 else n_valid
+    np.testing.assert_array_equal(kt[:, :keys_up], kt_fresh[:, :keys_up])
+    np.testing.assert_array_equal(kt_fresh[:, :n_valid], k.reshape(block_k, d)[:n_valid].T)
+    assert (kt_fresh[:, n_valid:] == 0.0).all()
+    if d % lanes == 0:
+        assert (kt[:, keys_up:] == 7.0).all()
+    vt_fresh = np.full(block_k * dv_pad, 7.0, np.float32)
+    vt = np.full(block_k * dv_pad, 7.0, np.float32)
+    pack.values_task(k, 0, d, n_valid, d, dv_pad, block_k, w, False, vt_fresh, 0, False)
+    pack.values_task(k, 0, d, n_valid, d, dv_pad, block_k, w, False, vt, 0, True)
+    vt_fresh, vt = vt_fresh.reshape(block_k, dv_pad), vt.reshape(block_k, dv_pad)
+    np.testing.assert_array_equal(vt[:n_valid], vt_fresh[:n_valid])
+    np.testing.assert_array_equal(vt_fresh[:n_valid, :d], k.reshape(block_k, d)[:n_valid])
+    assert (vt_fresh[:n_valid, d:] == 0.0).all() and (vt_fresh[n_valid:] == 0.0).all()
+    assert (vt[n_valid:] == 7.0).all()
+
+
 def _off_line(shape, dtype=np.float32, off_bytes=16):
     """A C-contiguous array starting ``off_bytes`` past a cache line (numpy gives 16 bytes)."""
     n = int(np.prod(shape)) * np.dtype(dtype).itemsize
@@ -134,18 +165,21 @@ def _plan(q, v, threads=2):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("n_hkv", [3, 1])
 @pytest.mark.parametrize("n_q, n_k, d, dv", [(16, 16, 64, 64), (9, 61, 37, 48), (64, 64, 64, 32),
                                              (8, 3, 8, 20)])
-def test_tasks_that_pack_their_own_tiles_give_the_packed_bits(n_q, n_k, d, dv, causal, dtype,
-                                                              kernels, monkeypatch):
-    """A call whose heads are one query block on one key tile each, without GQA, packs its
-    K/V tiles in the forward's own tasks (``forward.packs_own_tiles``), with no call of
-    ``pack_tiles``; its output and lse are those of the same call packed in ``pack_tiles``,
-    bit for bit, and match the reference. B=2: each task finds its own batch's rows. (At
-    least 8 queries: fewer take the decode path. Dv=20, not whole vectors: its own tiles padded
-    as ``pack_values`` pads the packed ones.)"""
+def test_tasks_that_pack_their_own_tiles_give_the_packed_bits(n_q, n_k, d, dv, n_hkv, causal,
+                                                              dtype, kernels, monkeypatch):
+    """A call whose heads are one query block on one key tile each packs its K/V tiles in the
+    forward's own tasks (``forward.packs_own_tiles``), with no call of ``pack_tiles``; its
+    output and lse are those of the same call packed in ``pack_tiles``, bit for bit, and match
+    the reference. B=2: each task finds its own batch's rows. Three heads, or a GQA group of
+    three on one K/V head, whose next head on the same worker reads the tile packed for the
+    one before. (At least 8 queries: fewer take the decode path. Dv=20, not whole vectors:
+    its own tiles padded as ``pack_values`` pads the packed ones.)"""
     from cpuflash._cpu import forward
-    q, k, v = rands((2, 3, n_q, d), (2, 3, n_k, d), (2, 3, n_k, dv), seed=n_q + n_k, dtype=dtype)
+    q, k, v = rands((2, 3, n_q, d), (2, n_hkv, n_k, d), (2, n_hkv, n_k, dv), seed=n_q + n_k,
+                    dtype=dtype)
     assert forward.packs_own_tiles(_plan(q, v), k, v)
     packed = []
     monkeypatch.setattr(forward, "packed_kv", lambda *a: packed.append(1) or pack.packed_kv(*a))

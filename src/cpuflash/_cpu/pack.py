@@ -60,9 +60,11 @@ def key_tile(task, n_blocks, block_k, n_k, d):
 
 
 @helper
-def keys_transposed_task(kf, src, row_stride, n_valid, d, block_k, w, ktf, tile):
+def keys_transposed_task(kf, src, row_stride, n_valid, d, block_k, w, ktf, tile, padded):
     """One key tile in ``pack_keys_transposed``'s layout at ``ktf[tile:]``: its keys are the
-    ``n_valid`` rows of ``d`` elements at ``kf[src + j * row_stride:]`` (the rest zero). Flat
+    ``n_valid`` rows of ``d`` elements at ``kf[src + j * row_stride:]`` (the rest zero;
+    ``padded``: the whole vectors of zeros past them are there already, from a tile of as many
+    keys packed before at ``tile``, and are not written again). Flat
     indices, no test per element and, where whole vectors of keys and D allow,
     ``lanes x lanes`` blocks transposed in registers (measured at B=1, H=8, N=512, D=128: 0.47
     -> 0.09 ms; N=2048: 0.81 -> 0.45 ms). A panel that ends past ``Nk`` (the last tile of
@@ -90,33 +92,36 @@ def keys_transposed_task(kf, src, row_stride, n_valid, d, block_k, w, ktf, tile)
                         simd.transpose_rows(kf, first + jj * row_stride + dd, row_stride, keys,
                                             ktf, panel + dd * width + jj, width)
             done = -(-inside // lanes) * lanes
-        if done == width:
-            continue
         # The keys not transposed (D not of whole vectors) element by element, and the zeros
         # past Nk up to a whole vector of keys; then zero vectors where the panel has them.
         zeros_from = -(-inside // lanes) * lanes if width % lanes == 0 else width
+        zeros_to = zeros_from if padded else width
+        if done >= zeros_to:
+            continue
         for dd in range(d):
             row = panel + dd * width
             for jj in range(done, inside):
                 ktf[row + jj] = kf[first + jj * row_stride + dd]
             for jj in range(max(done, inside), zeros_from):
                 ktf[row + jj] = 0.0
-            for jj in range(zeros_from, width, lanes):
+            for jj in range(zeros_from, zeros_to, lanes):
                 simd.vstore(ktf, row + jj, zero)
 
 
 @helper
 def values_task(vf, src, row_stride, n_valid, dv, dv_pad, block_k, w, zero_nonfinite, vtf,
-                tile):
+                tile, padded):
     """One value tile in ``pack_values``' layout at ``vtf[tile:]``, rows of ``dv`` elements at
     ``vf[src + j * row_stride:]`` as ``keys_transposed_task`` takes them, padded with zeros
     to ``dv_pad`` columns: each panel row a few vector copies (measured at B=1, H=8, N=512,
-    D=128: 0.31 -> 0.07 ms), a row's last part past whole vectors one by one."""
+    D=128: 0.31 -> 0.07 ms), a row's last part past whole vectors one by one. The zero rows
+    past ``n_valid`` are written unless ``padded`` (there already, as in
+    ``keys_transposed_task``)."""
     lanes = simd.lanes_of(vtf)
     zero = simd.vsplat(vtf, 0.0)
     for c0 in range(0, dv_pad, w):
         width = min(w, dv_pad - c0)
-        for j in range(block_k):
+        for j in range(n_valid if padded else block_k):
             dst = tile + c0 * block_k + j * width
             at = src + j * row_stride + c0
             for cc in range(0, width, lanes):
@@ -160,25 +165,25 @@ def pack_tiles(k, v, block_k, w, kt, vtt, kn, vn):
             if which == 0:
                 src, n_valid = key_tile(tile, n_blocks, block_k, n_k, d)
                 keys_transposed_task(kf, src, d, n_valid, d, block_k, w, kt.reshape(-1),
-                                     tile * (d * block_k))
+                                     tile * (d * block_k), False)
             which -= 1
         if vtt is not None:
             if which == 0:
                 src, n_valid = key_tile(tile, n_blocks, block_k, n_k, dv)
                 keys_transposed_task(vf, src, dv, n_valid, dv, block_k, w, vtt.reshape(-1),
-                                     tile * (dv * block_k))
+                                     tile * (dv * block_k), False)
             which -= 1
         if kn is not None:
             if which == 0:
                 src, n_valid = key_tile(tile, n_blocks, block_k, n_k, d)
                 values_task(kf, src, d, n_valid, d, d, block_k, w, True, kn.reshape(-1),
-                            tile * (block_k * d))
+                            tile * (block_k * d), False)
             which -= 1
         if vn is not None:
             if which == 0:
                 src, n_valid = key_tile(tile, n_blocks, block_k, n_k, dv)
                 values_task(vf, src, dv, n_valid, dv, dv, block_k, w, False, vn.reshape(-1),
-                            tile * (block_k * dv))
+                            tile * (block_k * dv), False)
 
 
 @kernel(read_only=("kf", "vf", "cu_k", "seqs"))
@@ -200,10 +205,10 @@ def pack_varlen(kf, k_steps, vf, v_steps, cu_k, seqs, d, dv, block_k, w, kt, vt)
         n_valid = min(block_k, cu_k[s + 1] - j0)
         if task < n_tiles:
             keys_transposed_task(kf, j0 * k_steps[0] + h * k_steps[1], k_steps[0], n_valid, d,
-                                 block_k, w, ktf, tile * (d * block_k))
+                                 block_k, w, ktf, tile * (d * block_k), False)
         else:
             values_task(vf, j0 * v_steps[0] + h * v_steps[1], v_steps[0], n_valid, dv, dv_pad,
-                        block_k, w, False, vtf, tile * (block_k * dv_pad))
+                        block_k, w, False, vtf, tile * (block_k * dv_pad), False)
 
 
 def flat_rows(x):
