@@ -197,18 +197,16 @@ def test_tasks_that_pack_their_own_tiles_give_the_packed_bits(n_q, n_k, d, dv, n
 
 
 def test_what_packs_in_one_region():
-    """What ``packs_own_tiles`` leaves to ``pack_tiles``: GQA groups whose heads would repack
-    more than ``OWN_TILES_MAX_REPACKS`` tiles, K or V not C-contiguous, and more than one
-    query block or key tile a head. A small group packs its own: its bits are the packed
-    ones."""
+    """What ``packs_own_tiles`` leaves to ``pack_tiles``: K or V not C-contiguous, and more
+    than one query block or key tile a head. GQA groups of any size pack their own (their
+    heads share their K/V head's tile): their bits are the packed ones."""
     from cpuflash._cpu import forward
     q, k, v = rands((2, 4, 16, 64), (2, 4, 16, 64), (2, 4, 16, 64), seed=3)
     assert forward.packs_own_tiles(_plan(q, v), k, v)
     pair, one = (k[:, :2].copy(), v[:, :2].copy()), (k[:, :1].copy(), v[:, :1].copy())
-    assert forward.packs_own_tiles(_plan(q, pair[1]), *pair)  # 2 * (4 - 2) repacks
+    assert forward.packs_own_tiles(_plan(q, pair[1]), *pair)  # two heads a K/V head
     many = rands((2, 8, 16, 64), seed=6)[0]
-    assert forward.OWN_TILES_MAX_REPACKS < 2 * (8 - 1)
-    assert not forward.packs_own_tiles(_plan(many, one[1]), *one)
+    assert forward.packs_own_tiles(_plan(many, one[1]), *one)  # eight heads on one
     assert not forward.packs_own_tiles(
         _plan(q, v), k.transpose(0, 1, 3, 2).copy().transpose(0, 1, 3, 2), v)
     assert not forward.packs_own_tiles(_plan(q, v), k, v[..., ::-1])
@@ -216,12 +214,13 @@ def test_what_packs_in_one_region():
     assert not forward.packs_own_tiles(_plan(long_q, v), k, v)
     long_k = rands((2, 4, 300, 64), seed=5)[0]
     assert not forward.packs_own_tiles(_plan(q, long_k), long_k, long_k)
-    for group_k, group_v in (pair, one):
-        own = cpuflash.attention(q, group_k, group_v, causal=True, return_lse=True)
+    for queries, (group_k, group_v) in ((q, pair), (q, one), (many, one)):
+        own = cpuflash.attention(queries, group_k, group_v, causal=True, return_lse=True)
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(forward, "packs_own_tiles", lambda *a: False)
-            shared = cpuflash.attention(q, group_k, group_v, causal=True, return_lse=True)
+            shared = cpuflash.attention(queries, group_k, group_v, causal=True,
+                                        return_lse=True)
         for a, b in zip(own, shared):
             assert np.array_equal(a, b)
-        np.testing.assert_allclose(own[0], reference.attention(q, group_k, group_v, causal=True),
-                                   atol=2e-6)
+        np.testing.assert_allclose(
+            own[0], reference.attention(queries, group_k, group_v, causal=True), atol=2e-6)

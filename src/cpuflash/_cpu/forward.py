@@ -327,8 +327,7 @@ def tiling(n_b, n_hq, n_hkv, n_q, n_k, d, dv, dtype, threads):
     lanes = config.lanes(dtype)
     dv_pad = -(-dv // lanes) * lanes
     n_blocks = -(-n_k // block_k)
-    own_shapes = (n_k <= block_k and n_q <= block_q
-                  and n_b * (n_hq - n_hkv) <= OWN_TILES_MAX_REPACKS)
+    own_shapes = n_k <= block_k and n_q <= block_q
     no_kt = np.empty((0, d * block_k), dtype)  # never written: only their widths are read
     no_vt = np.empty((0, block_k * dv_pad), dtype)
     seqs_own, _ = sequences.dense(n_b, n_hq, n_q, block_q, n_hkv, 1)
@@ -344,23 +343,22 @@ def no_own_kv(dtype):
     return np.empty((0, 0, 0, 0), dtype)
 
 
-# Tiles packed more than once a call when the tasks pack their own (``packs_own_tiles``): each
-# query head of a GQA group packs its K/V head's tile, B * (Hq - Hkv) extra tiles of up to
-# 2 x 64 x 64 floats (64-key tiles at D=Dv=64). Measured against packing in one region
-# (B=1, D=64, causal, 2 threads, one process, 8 rounds, medians): Hq=8 Hkv=2 (6 extra) at
-# N=16, 64, 128: 0.833, 0.925, 0.987; Hq=14 Hkv=2 (12) N=64: 0.926; Hq=16 Hkv=2 (14) N=64:
-# 0.985; Hq=32 Hkv=8 (24) N=16 and 64: 1.091 and 1.028; Hq=32 Hkv=4 (28) N=128: 1.060.
-OWN_TILES_MAX_REPACKS = 12
-
-
 def packs_own_tiles(plan, k, v):
     """Whether the forward kernel's tasks pack their own K/V tiles (``forward``'s ``k_own``),
-    for a call of ``plan`` (``tiling``): where each task is one query block on one key tile,
-    and a GQA group's heads repack their K/V head's tile at most ``OWN_TILES_MAX_REPACKS``
-    times a call (``plan.own_shapes``). That saves the packing's own parallel region and
-    kernel call, about 6 us, which a short prompt's call paid on top of its 30-40 us. K and V
-    C-contiguous (the tasks read their rows by offsets, as ``pack_tiles`` does); V's rows
-    padded to whole vectors as ``packed_kv`` pads them."""
+    for a call of ``plan`` (``tiling``): where each task is one query block on one key tile
+    (``plan.own_shapes``). That saves the packing's own parallel region and kernel call, about
+    6 us, which a short prompt's call paid on top of its 30-40 us. K and V C-contiguous (the
+    tasks read their rows by offsets, as ``pack_tiles`` does); V's rows padded to whole
+    vectors as ``packed_kv`` pads them.
+
+    A GQA group's query heads share their K/V head's tile: a worker packs it for the first of
+    them it runs and the next ones read it (``forward``'s ``own_head``). Until stop 66 each
+    head packed it anew, and groups that would repack more than 12 tiles a call packed in one
+    region instead (Hq=32 Hkv=8 at N=16 took 1.09x the time on own tiles). With the shared
+    tile, own tiles against one region (B=1, D=64, causal, 2 threads, four blocks of 300 calls
+    alternating in one process, order reversed every other block): Hq=32 Hkv=8 at N=16 and 64
+    0.78-0.80 and 0.92; Hq=32 Hkv=4 N=16 and 128 0.83-0.84 and 0.96-0.97; Hq=16 Hkv=2 N=16
+    and 64 0.81-0.82 and 0.89-0.90; Hq=64 Hkv=8 N=32 0.91-0.92."""
     return plan.own_shapes and k.flags.c_contiguous and v.flags.c_contiguous
 
 
