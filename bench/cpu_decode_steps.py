@@ -47,10 +47,10 @@ def steps(kind, reps, q_s, kt, k_step, v, rows, d, n, s, m_i, l_t, a_i, pv, acc,
         for c0 in range(0, n, CHUNK):
             if kind & SCORES and panel > 0:
                 decode.transposed_scores(s, CHUNK, q_s, rows, d, kt, c0 * d, panel, block * d,
-                                         d, CHUNK, 0)
+                                         d, CHUNK, 0, 0)
             elif kind & SCORES:
                 decode.transposed_scores(s, CHUNK, q_s, rows, d, kt, c0, k_step, block, 1,
-                                         CHUNK, ahead)
+                                         CHUNK, ahead, CHUNK)
             if kind & SOFTMAX:
                 online_softmax(s, 0, CHUNK, CHUNK, rows, rows, m_i, l_t, a_i, l_t, False, False,
                                False)

@@ -274,19 +274,24 @@ def test_prefetch_hint_policy(values_hinted, monkeypatch):
     assert decode.hinted(True, True, False) == 0
 
 
+@pytest.mark.parametrize("n_hq, n_hkv, options", [(8, 2, {}), (2, 2, {}),
+                                                   (8, 2, {"window": (400, 0)})])
 @pytest.mark.parametrize("layout", ["cache", "rows"])
-def test_every_hint_policy_gives_the_same_bits(layout, monkeypatch):
+def test_every_hint_policy_gives_the_same_bits(layout, n_hq, n_hkv, options, monkeypatch):
     """Hints change no bit: float32 K/V in a KVCache and as plain arrays, read with each set of
-    hints (the last chunk's hints run past the array's end)."""
+    hints (the last chunk's hints run past the array's end). A KVCache hints no key past its
+    own: its one chunk's P V runs as two products, the keys hinted and the rest (the first
+    from the band's first key with the window), whose sums are the one product's."""
     n_k = 5 * decode.CHUNK + 7
-    k, v = rand((1, 2, n_k, 64), seed=5), rand((1, 2, n_k, 64), seed=6)
-    q = rand((1, 8, 1, 64), seed=7)
-    cache = cpuflash.KVCache(1, 1, 2, n_k, 64)
-    cache.append(0, k, v)
+    k, v = rand((1, n_hkv, n_k, 64), seed=5), rand((1, n_hkv, n_k, 64), seed=6)
+    q = rand((1, n_hq, 1, 64), seed=7)
     outs = []
     for bits in (0, decode.HINT_K, decode.HINT_V, decode.HINT_K | decode.HINT_V):
         monkeypatch.setattr(decode, "hinted", lambda *args, bits=bits, **kw: bits)
-        outs.append(cache.attention(0, q) if layout == "cache" else cpuflash.attention(q, k, v))
+        cache = cpuflash.KVCache(1, 1, n_hkv, 2 * n_k, 64)  # a cache of its own: its step
+        cache.append(0, k, v)                               # plan keeps the hints it met
+        outs.append(cache.attention(0, q, **options) if layout == "cache"
+                    else cpuflash.attention(q, k, v, **options))
     for out in outs[1:]:
         np.testing.assert_array_equal(out, outs[0])
-    assert_close_to_reference(outs[0], reference.attention(q, k, v), q, k, v)
+    assert_close_to_reference(outs[0], reference.attention(q, k, v, **options), q, k, v)

@@ -339,14 +339,18 @@ def test_int8_cache_scales_are_not_options():
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int8])
 def test_prefetch_hints_change_no_bit(dtype, monkeypatch):
-    """The tile products hint K and V ahead into L2: the same bits without."""
+    """The tile products hint K and V ahead into L2: the same bits without. (A cache for each:
+    a cache's step plan keeps the hints of its first step.)"""
     n_k = 5 * decode.CHUNK + 7  # the hints run past the last chunk and the array's end
-    cache = cpuflash.KVCache(1, 1, 2, n_k, D, dtype=dtype)
-    cache.append(0, rand((1, 2, n_k, D), seed=5), rand((1, 2, n_k, D), seed=6))
+    k, v = rand((1, 2, n_k, D), seed=5), rand((1, 2, n_k, D), seed=6)
     q = rand((1, 8, 1, D), seed=7)
-    hinted = cache.attention(0, q)
-    monkeypatch.setattr(decode, "PREFETCH", False)
-    np.testing.assert_array_equal(cache.attention(0, q), hinted)
+    outs = []
+    for prefetch in (True, False):
+        monkeypatch.setattr(decode, "PREFETCH", prefetch)
+        cache = cpuflash.KVCache(1, 1, 2, n_k, D, dtype=dtype)
+        cache.append(0, k, v)
+        outs.append(cache.attention(0, q))
+    np.testing.assert_array_equal(outs[1], outs[0])
 
 
 def test_empty_layer_gives_zeros():

@@ -369,18 +369,19 @@ def key_offset(t, k_step, k_panel):
 
 
 @helper
-def transposed_scores(s, ld, q_s, rows, d, kf, k_off, k_step, k_block, k_panel, n_c, ahead):
+def transposed_scores(s, ld, q_s, rows, d, kf, k_off, k_step, k_block, k_panel, n_c, ahead,
+                      n_hinted):
     """``s[r, jj] = q_r . k_jj`` for ``jj < n_c`` (rows ``ld`` apart in ``s``) of a
     transposed K: dim ``dd`` of key ``jj = KEY_BLOCK * n + t`` at ``kf[k_off + n*k_block +
     key_offset(t, k_step, k_panel) + dd*k_step]``. A tile product over all ``d`` rows of K^T
     per block of keys for their whole vectors (its panels of columns ``k_panel`` apart), each
-    row it reads also hinted ``ahead`` elements further on (none if 0: see ``AHEAD``); the
-    keys past them by scalar dot products."""
+    row it reads also hinted ``ahead`` elements further on (none if 0: see ``AHEAD``) in the
+    blocks that start before key ``n_hinted``; the keys past them by scalar dot products."""
     n_vec = n_c // simd.lanes_of(s) * simd.lanes_of(s)
     for first in range(0, n_vec, KEY_BLOCK):
         at = k_off + first // KEY_BLOCK * k_block
         cols = min(KEY_BLOCK, n_vec - first)
-        if ahead > 0:
+        if ahead > 0 and first < n_hinted:
             tile_product_ahead(s, first, ld, q_s, 0, d, 1, kf, at, k_step, k_panel, rows, cols,
                                d, ahead)
         else:
@@ -554,9 +555,13 @@ def decode(q, k, k_strides, k_block, k_panel, k_storage, prefetch, v, v_strides,
                 if prefetch & HINT_K and not blocked:
                     for c1 in range(c0, c0 + n_c, CHUNK):
                         hint_next_block(kf, k_head, k_strides[3], d, c1, j_start, j_stop)
+                # KVCache's blocks past the filled ones hold nothing to read: a block whose
+                # hints would land there gives none (MHA, Nk=256: every hint did, and a step
+                # took 1.4-1.6x the time of one without them, 12 layers in turn)
                 transposed_scores(s, chunk, q_s, rows, d, kf, k_chunk, k_strides[3], k_block,
                                   k_panel, n_c, AHEAD * CHUNK // KEY_BLOCK * k_block
-                                  if prefetch & HINT_K else 0)
+                                  if prefetch & HINT_K else 0,
+                                  n_k - AHEAD * CHUNK - c0 if blocked else n_c)
             else:
                 chunk_scores(s, chunk, q_s, rows, d, d_vec, kf, k_chunk, k_strides[2], n_c,
                              k_buf)
@@ -597,15 +602,20 @@ def decode(q, k, k_strides, k_block, k_panel, k_storage, prefetch, v, v_strides,
                                  vs_strides[2], n_c)
             skip = max(0, j_first - c0)  # keys before the band: first chunk only
             if tiled:
-                if v_by_rows:  # the chunk in one product
+                if v_by_rows:  # the chunk in one product, or two: its keys hinted, the rest
                     v_off = v_head + (c0 + skip) * v_strides[2]
+                    n_ahead = 0  # keys whose rows are hinted (none past a KVCache's keys, as K)
                     if prefetch & HINT_V:
+                        n_ahead = (n_c - skip if not blocked
+                                   else max(0, min(n_c, n_k - AHEAD * CHUNK - c0) - skip))
+                    if n_ahead > 0:
                         tile_product_ahead(pv, 0, ld, s, skip, chunk, 1, vf, v_off,
-                                           v_strides[2], 1, rows, dv, n_c - skip,
+                                           v_strides[2], 1, rows, dv, n_ahead,
                                            AHEAD * CHUNK * v_strides[2])
-                    else:
-                        tile_product(pv, 0, ld, s, skip, chunk, 1, vf, v_off, v_strides[2], 1,
-                                     rows, dv, n_c - skip, False, False)
+                    if n_ahead < n_c - skip:  # the same sums in the same order
+                        tile_product(pv, 0, ld, s, skip + n_ahead, chunk, 1, vf,
+                                     v_off + n_ahead * v_strides[2], v_strides[2], 1, rows, dv,
+                                     n_c - skip - n_ahead, n_ahead > 0, False)
                 else:  # KVCache's blocks of panels (never hinted: ``hinted``): a product per
                     # block, summed into pv after the first (the same sums in the same order)
                     j0 = c0 + skip
