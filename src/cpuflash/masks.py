@@ -123,6 +123,12 @@ class UserMask:
         """``(bools, adds, is_bool)``, the kernels' mask arguments."""
         return self.bools, self.adds, self.is_bool
 
+    def _table_shape(self, block_q, block_k):
+        """``(B, Hq, n_qb, n_kb)``: the tiles of ``block_q`` rows and ``block_k`` keys (one of
+        each at least)."""
+        n_b, n_hq, n_q, n_k = self.shape
+        return n_b, n_hq, max(1, -(-n_q // block_q)), max(1, -(-n_k // block_k))
+
     def tile_states(self, block_q, block_k):
         """int8 (B, Hq, n_qb, n_kb) view: HIDDEN, MIXED or CLEAR for each tile. Without a mask
         every tile is CLEAR, and the answer is kept: the plain call's ``UserMask`` is kept per
@@ -130,15 +136,13 @@ class UserMask:
         of a 16-token prompt's call."""
         if not self.given:
             states = self._clear.get((block_q, block_k))
-            if states is not None:
-                return states
-        n_b, n_hq, n_q, n_k = self.shape
-        n_qb, n_kb = max(1, -(-n_q // block_q)), max(1, -(-n_k // block_k))
-        if not self.given or n_q == 0 or n_k == 0:
-            states = _all_clear((n_b, n_hq, n_qb, n_kb))
-            if not self.given:
-                self._clear[block_q, block_k] = states
+            if states is None:
+                states = self._clear[block_q, block_k] = _all_clear(
+                    self._table_shape(block_q, block_k))
             return states
+        n_b, n_hq, n_qb, n_kb = self._table_shape(block_q, block_k)
+        if self.shape[2] == 0 or self.shape[3] == 0:
+            return _all_clear((n_b, n_hq, n_qb, n_kb))
         m = self.raw
         n_qb_raw = n_qb if m.shape[2] > 1 else 1
         states = np.empty(m.shape[:2] + (n_qb_raw, n_kb), dtype=np.int8)

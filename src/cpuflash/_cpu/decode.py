@@ -551,17 +551,19 @@ def decode(q, k, k_strides, k_block, k_panel, k_storage, prefetch, v, v_strides,
             # The same bits: the columns between are -inf, their exponentials 0.
             width = min(chunk, -(-n_c // lanes) * lanes)
             k_chunk = k_head + c0 // KEY_BLOCK * k_block
+            # The chunk's first keys whose hints (AHEAD * CHUNK keys on) land on keys. In a
+            # KVCache's blocks past the filled ones there is nothing to read, and K's blocks
+            # and V's rows whose hints would land there give none (MHA, Nk=256: every hint
+            # did, and a step took 1.4-1.6x the time of one without them, 12 layers in turn);
+            # past a plain array's head lies the next head's K/V.
+            n_hinted = min(n_c, n_k - AHEAD * CHUNK - c0) if blocked else n_c
             if keys_unit:
                 if prefetch & HINT_K and not blocked:
                     for c1 in range(c0, c0 + n_c, CHUNK):
                         hint_next_block(kf, k_head, k_strides[3], d, c1, j_start, j_stop)
-                # KVCache's blocks past the filled ones hold nothing to read: a block whose
-                # hints would land there gives none (MHA, Nk=256: every hint did, and a step
-                # took 1.4-1.6x the time of one without them, 12 layers in turn)
                 transposed_scores(s, chunk, q_s, rows, d, kf, k_chunk, k_strides[3], k_block,
                                   k_panel, n_c, AHEAD * CHUNK // KEY_BLOCK * k_block
-                                  if prefetch & HINT_K else 0,
-                                  n_k - AHEAD * CHUNK - c0 if blocked else n_c)
+                                  if prefetch & HINT_K else 0, n_hinted)
             else:
                 chunk_scores(s, chunk, q_s, rows, d, d_vec, kf, k_chunk, k_strides[2], n_c,
                              k_buf)
@@ -604,10 +606,7 @@ def decode(q, k, k_strides, k_block, k_panel, k_storage, prefetch, v, v_strides,
             if tiled:
                 if v_by_rows:  # the chunk in one product, or two: its keys hinted, the rest
                     v_off = v_head + (c0 + skip) * v_strides[2]
-                    n_ahead = 0  # keys whose rows are hinted (none past a KVCache's keys, as K)
-                    if prefetch & HINT_V:
-                        n_ahead = (n_c - skip if not blocked
-                                   else max(0, min(n_c, n_k - AHEAD * CHUNK - c0) - skip))
+                    n_ahead = max(0, n_hinted - skip) if prefetch & HINT_V else 0  # hinted
                     if n_ahead > 0:
                         tile_product_ahead(pv, 0, ld, s, skip, chunk, 1, vf, v_off,
                                            v_strides[2], 1, rows, dv, n_ahead,

@@ -195,20 +195,18 @@ def forward(q, kt, vt, k_own, v_own, n_hkv, block_q, scale, left, right, seqs, k
             qb = balanced_order(qb, n_qb)
             q_b, row0 = seqs[b, Q_BATCH], seqs[b, Q_ROW0]
             tile0 = seqs[b, TILE0] + (h // group) * seqs[b, TILES]
-            kv_head = q_b * n_hkv + h // group
-            if own_tiles:
+            if own_tiles:  # the head's one key tile, packed as pack_tiles packs tile 0
                 tile0 = 0
-            if own_tiles and kv_head != own_head:
-                # the head's one key tile, packed as pack_tiles packs tile 0; a GQA group's
-                # next query head on the same worker reads it as it is
-                n_own, padded = k_own.shape[2], own_head >= 0
-                k_src, n_packed = key_tile(kv_head, 1, block_k, n_own, d)
-                keys_transposed_task(k_own_flat, k_src, d, n_packed, d, block_k, panel,
-                                     k_tiles, 0, padded)
-                v_src, _ = key_tile(kv_head, 1, block_k, n_own, dv)
-                values_task(v_own_flat, v_src, dv, n_packed, dv, dv_pad, block_k, panel,
-                            False, v_tiles, 0, padded)
-                own_head = kv_head
+                kv_head = q_b * n_hkv + h // group
+                if kv_head != own_head:  # (a GQA group's next head here reads it as it is)
+                    n_own, padded = k_own.shape[2], own_head >= 0
+                    k_src, n_packed = key_tile(kv_head, 1, block_k, n_own, d)
+                    keys_transposed_task(k_own_flat, k_src, d, n_packed, d, block_k, panel,
+                                         k_tiles, 0, padded)
+                    v_src, _ = key_tile(kv_head, 1, block_k, n_own, dv)
+                    values_task(v_own_flat, v_src, dv, n_packed, dv, dv_pad, block_k, panel,
+                                False, v_tiles, 0, padded)
+                    own_head = kv_head
             n_k = kv_lens[b]
             q0 = qb * bq
             rows = min(bq, n_q - q0)
